@@ -1,0 +1,1 @@
+"""`python -m benchmarks.NAME`: each compares this project against a peer in one run."""

@@ -1,0 +1,89 @@
+"""The MLflowServer block: tracking and registry URIs, and an optional token."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+from urllib.parse import urlparse
+
+from prefect.blocks.core import Block
+from pydantic import Field, SecretStr, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "databricks")
+
+
+def parse_uri(field: str, value: str) -> str:
+    """Validate a tracking or registry URI; raises ValueError naming the field and value."""
+    uri = value.strip()
+    parsed = urlparse(uri)
+    if parsed.scheme not in _SCHEMES:
+        raise ValueError(f"{field} {value!r} is not an MLflow URI: expected one of "
+                         f"{', '.join(s + '://' for s in _SCHEMES)}")
+    if parsed.scheme in ("http", "https"):
+        try:
+            port = parsed.port
+        except ValueError:
+            port = -1
+        if not parsed.hostname or port == -1:
+            raise ValueError(f"{field} {value!r} is not an MLflow URI: it needs a host "
+                             f"(and a valid port, if any), e.g. http://127.0.0.1:5000")
+    return uri.rstrip("/")
+
+
+class MLflowServer(Block):
+    """An MLflow tracking and model registry server."""
+
+    _block_type_name = "MLflow Server"
+    _block_type_slug = "mlflow-server"
+    _description = "An MLflow tracking server and model registry, with an optional token."
+
+    tracking_uri: str = Field(
+        default="http://127.0.0.1:5000",
+        description="MLflow tracking URI, e.g. http://127.0.0.1:5000 (the local server).",
+    )
+    registry_uri: str | None = Field(
+        default=None,
+        description="MLflow model registry URI; the tracking URI when empty.",
+    )
+    token: SecretStr | None = Field(
+        default=None,
+        description="Bearer token for the server (MLFLOW_TRACKING_TOKEN); never logged.",
+    )
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _check_tracking(cls, value: str) -> str:
+        return parse_uri("tracking_uri", value)
+
+    @field_validator("registry_uri")
+    @classmethod
+    def _check_registry(cls, value: str | None) -> str | None:
+        return None if value in (None, "") else parse_uri("registry_uri", value)
+
+    @model_validator(mode="after")
+    def _default_registry(self) -> MLflowServer:
+        if self.registry_uri is None:
+            self.registry_uri = self.tracking_uri
+        return self
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[MlflowClient]:
+        """An MlflowClient bound to this server. The token reaches MLflow's REST client through
+        MLFLOW_TRACKING_TOKEN, which it reads per request: set for the session, then restored."""
+        from mlflow import MlflowClient
+
+        previous = os.environ.get("MLFLOW_TRACKING_TOKEN")
+        if self.token is not None:
+            os.environ["MLFLOW_TRACKING_TOKEN"] = self.token.get_secret_value()
+        try:
+            yield MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.registry_uri)
+        finally:
+            if previous is None:
+                os.environ.pop("MLFLOW_TRACKING_TOKEN", None)
+            else:
+                os.environ["MLFLOW_TRACKING_TOKEN"] = previous

@@ -1,0 +1,184 @@
+"""The RayCluster block: where Ray work runs, and a task runner that carries Prefect there."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from prefect.blocks.core import Block
+from pydantic import Field, SecretStr, field_validator
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# Shipped to every Ray worker through runtime_env py_modules, so a separate cluster can
+# import the tasks and workloads the flow process pickles by reference.
+PROJECT_PACKAGES = ("blocks", "flows", "tasks", "workloads")
+DEFAULT_NAMESPACE = "prefect-ray-lifecycle"
+LOCAL_HOST = "127.0.0.1"
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+
+
+def _valid_host(host: str) -> bool:
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            return ipaddress.ip_address(host).version == 6
+        except ValueError:
+            return False
+    if re.fullmatch(r"[0-9.]+", host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return False
+        return True
+    return bool(_HOSTNAME.match(host))
+
+
+def parse_address(value: str) -> str:
+    """Validate a Ray address; return it stripped. Raises ValueError naming the value."""
+    address = value.strip()
+    if address in ("", "auto"):
+        return address
+    rest = address.removeprefix("ray://")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 \
+            or not _valid_host(host):
+        raise ValueError(
+            f"address {value!r} is not a Ray address: use '' (embedded local Ray), 'auto', "
+            f"'host:port' (a `ray start --head` GCS address) or 'ray://host:port' (Ray Client)")
+    return address
+
+
+class RayCluster(Block):
+    """A Ray cluster that flows run on: an embedded local Ray, or an existing cluster by address.
+
+    Connecting through this block ships the project's packages to the cluster and carries
+    the Prefect API settings into every Ray worker, so task runs on Ray are recorded in the
+    same Prefect API as their flow run.
+    """
+
+    _block_type_name = "Ray Cluster"
+    _block_type_slug = "ray-cluster"
+    _description = ("Where Ray work runs: an embedded local Ray (empty address) or an existing "
+                    "cluster ('auto', 'host:port', 'ray://host:port').")
+
+    address: str = Field(
+        default="",
+        description=("Ray address. Empty: start an embedded local Ray bound to 127.0.0.1 for the "
+                     "flow run. 'auto': the cluster this machine belongs to. 'host:port': the GCS "
+                     "address of a `ray start --head` cluster. 'ray://host:port': Ray Client."),
+    )
+    namespace: str = Field(
+        default=DEFAULT_NAMESPACE,
+        min_length=1,
+        description="Ray namespace for the job, its named actors and Serve applications.",
+    )
+    runtime_env: dict[str, Any] = Field(
+        default_factory=dict,
+        description=("Extra Ray runtime_env merged over the project's own (its py_modules are "
+                     "kept; env_vars are merged; other keys are added)."),
+    )
+    num_cpus: int | None = Field(
+        default=None,
+        ge=1,
+        description="CPUs for the embedded local Ray; ignored when an address is set.",
+    )
+    auth_token: SecretStr | None = Field(
+        default=None,
+        description=("Token of a cluster that runs Ray's token authentication (RAY_AUTH_MODE="
+                     "token, the default for new clusters in Ray 2.60). Empty: Ray's own lookup "
+                     "(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token)."),
+    )
+    dashboard_url: str | None = Field(
+        default=None,
+        description=("Ray dashboard URL to link from flow runs; found from the connection "
+                     "when empty."),
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, value: str) -> str:
+        return parse_address(value)
+
+    @field_validator("runtime_env")
+    @classmethod
+    def _check_runtime_env(cls, value: dict[str, Any]) -> dict[str, Any]:
+        env_vars = value.get("env_vars", {})
+        if not isinstance(env_vars, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()):
+            raise ValueError(f"runtime_env.env_vars must map strings to strings, got {env_vars!r}")
+        py_modules = value.get("py_modules", [])
+        if not isinstance(py_modules, list):
+            raise ValueError(f"runtime_env.py_modules must be a list, got {py_modules!r}")
+        return value
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.address == ""
+
+    @property
+    def ray_init_address(self) -> str:
+        # "local" always starts a new local Ray, whatever RAY_ADDRESS says.
+        return self.address or "local"
+
+    def project_runtime_env(self) -> dict[str, Any]:
+        """The runtime_env for jobs started through this block: project packages plus extras."""
+        extra = dict(self.runtime_env)
+        py_modules = [str(PROJECT_ROOT / name) for name in PROJECT_PACKAGES]
+        py_modules += [m for m in extra.pop("py_modules", []) if m not in py_modules]
+        env_vars = {"RAY_USAGE_STATS_ENABLED": "0", **extra.pop("env_vars", {})}
+        return {
+            "py_modules": py_modules,
+            "env_vars": env_vars,
+            "excludes": ["__pycache__", "*.pyc"],
+            **extra,
+        }
+
+    def init_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `ray.init` (the address is passed separately)."""
+        kwargs: dict[str, Any] = {
+            "namespace": self.namespace,
+            "runtime_env": self.project_runtime_env(),
+            "log_to_driver": True,
+        }
+        if self.is_embedded:
+            # Ray maps a loopback node IP to the machine's own, so only the dashboard can be
+            # held to 127.0.0.1; core ports rely on Ray's token auth (default in 2.60).
+            kwargs.update(dashboard_host=LOCAL_HOST, include_dashboard=True)
+            if self.num_cpus:
+                kwargs["num_cpus"] = self.num_cpus
+        return kwargs
+
+    @contextlib.contextmanager
+    def connect(self) -> Iterator[Any]:
+        """Connect this process to the cluster for the block's lifetime; shut down only what we
+        started. Yields the Ray context (or None when Ray was already initialised here)."""
+        import ray
+
+        if ray.is_initialized():
+            yield None
+            return
+        self.export_auth_token()
+        context = ray.init(self.ray_init_address, **self.init_kwargs())
+        try:
+            yield context
+        finally:
+            ray.shutdown()
+
+    def export_auth_token(self) -> None:
+        """Ray reads its token from the environment only; this process then carries it."""
+        if self.auth_token is not None:
+            os.environ["RAY_AUTH_MODE"] = "token"
+            os.environ["RAY_AUTH_TOKEN"] = self.auth_token.get_secret_value()
+
+    def task_runner(self, **remote_defaults: Any):
+        """A RayTaskRunner on this cluster that carries Prefect settings into Ray workers."""
+        from blocks.ray_runner import ProjectRayTaskRunner
+
+        return ProjectRayTaskRunner(cluster=self, remote_defaults=remote_defaults)

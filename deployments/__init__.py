@@ -1,0 +1,1 @@
+"""How flows are deployed, and the local services launcher."""

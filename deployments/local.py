@@ -1,0 +1,363 @@
+"""Local services for the embedded default: a Prefect server and a lean MLflow server.
+
+`python -m deployments.local up|down|status|env`. Everything binds 127.0.0.1 and keeps its
+state under one git-ignored folder (`.local/` by default). `down` stops only what `up`
+started: each pid file records the process start time, so a recycled pid is never killed.
+A Ray head (`ray start --head --block`) can be managed the same way with `--ray`; the flows
+themselves start an embedded Ray when their RayCluster block has no address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+HOST = "127.0.0.1"
+DEFAULT_STATE_DIR = Path(__file__).resolve().parent.parent / ".local"
+DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000, "ray": 6379}
+RAY_DASHBOARD_PORT = 8265
+START_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 15.0
+
+
+class ServiceError(RuntimeError):
+    """A local service could not be started or stopped; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    port: int
+    state_dir: Path
+    num_cpus: int | None = None  # ray only: logical CPUs the head offers
+
+    @property
+    def url(self) -> str:
+        if self.name == "ray":
+            return f"{HOST}:{self.port}"
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def health_url(self) -> str:
+        if self.name == "prefect":
+            return f"{self.url}/api/health"
+        if self.name == "mlflow":
+            return f"{self.url}/health"
+        return f"http://{HOST}:{self.dashboard_port}/api/version"
+
+    @property
+    def dashboard_port(self) -> int:
+        return self.port + (RAY_DASHBOARD_PORT - DEFAULT_PORTS["ray"])
+
+    @property
+    def ray_token_file(self) -> Path:
+        """Ray 2.60 token auth: the head's token, kept with its state (mode 0600)."""
+        return self.state_dir / "ray_auth_token"
+
+    def ray_token(self) -> str:
+        if not self.ray_token_file.exists():
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.ray_token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_hex(32))
+        return self.ray_token_file.read_text().strip()
+
+    @property
+    def pid_file(self) -> Path:
+        return self.state_dir / "pids" / f"{self.name}.json"
+
+    @property
+    def log_file(self) -> Path:
+        return self.state_dir / "logs" / f"{self.name}.log"
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        bin_dir = Path(sys.executable).parent
+        env = dict(os.environ)
+        if self.name == "prefect":
+            env.update(
+                PREFECT_HOME=str(self.state_dir / "prefect"),
+                PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                PREFECT_SERVER_API_HOST=HOST,
+                PREFECT_UI_API_URL=f"{self.url}/api",
+            )
+            env.pop("PREFECT_API_URL", None)
+            argv = [str(bin_dir / "prefect"), "server", "start",
+                    "--host", HOST, "--port", str(self.port)]
+            return argv, env
+        if self.name == "mlflow":
+            root = self.state_dir / "mlflow"
+            (root / "artifacts").mkdir(parents=True, exist_ok=True)
+            env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
+            argv = [
+                str(bin_dir / "mlflow"), "server", "--workers", "1",
+                "--host", HOST, "--port", str(self.port),
+                "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+                "--artifacts-destination", str(root / "artifacts"),
+            ]
+            return argv, env
+        ray_tmp = self.state_dir / "ray"
+        ray_tmp.mkdir(parents=True, exist_ok=True)
+        env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token",
+                   RAY_AUTH_TOKEN_PATH=str(self.ray_token_file))
+        self.ray_token()
+        argv = [
+            str(bin_dir / "ray"), "start", "--head", "--block",
+            "--node-ip-address", HOST, "--port", str(self.port),
+            "--dashboard-host", HOST, "--dashboard-port", str(self.dashboard_port),
+            "--temp-dir", str(ray_tmp), "--disable-usage-stats",
+            # Fixed defaults (10001, 52365) would collide with another head on this machine.
+            "--ray-client-server-port", str(_free_port()),
+            "--dashboard-agent-listen-port", str(_free_port()),
+        ]
+        if self.num_cpus:
+            argv += ["--num-cpus", str(self.num_cpus)]
+        return argv, env
+
+
+def services(
+    state_dir: Path = DEFAULT_STATE_DIR,
+    ports: dict[str, int] | None = None,
+    names: Iterable[str] = ("prefect", "mlflow"),
+    ray_num_cpus: int | None = None,
+) -> list[Service]:
+    ports = {**DEFAULT_PORTS, **(ports or {})}
+    return [Service(name, ports[name], Path(state_dir).resolve(),
+                    ray_num_cpus if name == "ray" else None) for name in names]
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def free_ports(count: int, spacing: int = 0) -> list[int]:
+    """Distinct free ports on 127.0.0.1; with `spacing`, port+spacing is free too (for Ray's
+    dashboard, which `Service` places at a fixed offset from the GCS port)."""
+    chosen: list[int] = []
+    while len(chosen) < count:
+        port = _free_port()
+        if port in chosen or port + spacing > 65535:
+            continue
+        if spacing and (not _port_free(port + spacing) or port + spacing in chosen):
+            continue
+        chosen.append(port)
+    return chosen
+
+
+def _proc_start_time(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22 (starttime) counted after the parenthesised command name.
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _read_pid(service: Service) -> dict | None:
+    try:
+        record = json.loads(service.pid_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if _proc_start_time(record["pid"]) != record["start_time"]:
+        return None  # dead, or the pid now belongs to someone else
+    return record
+
+
+def _port_free(port: int) -> bool:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def answers(service: Service, timeout: float = 2.0) -> bool:
+    request = urllib.request.Request(service.health_url)
+    if service.name == "ray" and service.ray_token_file.exists():
+        request.add_header("Authorization", f"Bearer {service.ray_token()}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _log_tail(service: Service, lines: int = 20) -> str:
+    try:
+        return "\n".join(service.log_file.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def start(service: Service, timeout: float = START_TIMEOUT_S) -> str:
+    """Start one service and wait until it answers; a no-op when ours is already up."""
+    if _read_pid(service):
+        if _wait_ready(service, None, timeout):
+            return "already running"
+        raise ServiceError(f"{service.name} (pid file {service.pid_file}) runs but does not "
+                           f"answer at {service.health_url}; see {service.log_file}")
+    if not _port_free(service.port):
+        raise ServiceError(
+            f"port {service.port} on {HOST}, wanted by the {service.name} service, is in use "
+            f"by another process; stop it or choose another port")
+    if service.name == "ray" and not _port_free(service.dashboard_port):
+        raise ServiceError(
+            f"port {service.dashboard_port} on {HOST}, wanted by the ray dashboard, is in use "
+            f"by another process; stop it or choose another port")
+    argv, env = service.command()
+    for folder in (service.pid_file.parent, service.log_file.parent):
+        folder.mkdir(parents=True, exist_ok=True)
+    with open(service.log_file, "ab") as log:
+        process = subprocess.Popen(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=service.state_dir, start_new_session=True)
+    record = {"pid": process.pid, "start_time": _proc_start_time(process.pid),
+              "port": service.port, "argv": argv}
+    service.pid_file.write_text(json.dumps(record))
+    if not _wait_ready(service, process, timeout):
+        stop(service)
+        raise ServiceError(f"{service.name} did not answer at {service.health_url} within "
+                           f"{timeout:.0f}s; last log lines:\n{_log_tail(service)}")
+    return f"started (pid {process.pid})"
+
+
+def _wait_ready(service: Service, process: subprocess.Popen | None, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if answers(service):
+            return True
+        if process is not None and process.poll() is not None:
+            return False
+        time.sleep(0.3)
+    return False
+
+
+def stop(service: Service, timeout: float = STOP_TIMEOUT_S) -> str:
+    """Stop the process group that `start` made, if it is still ours."""
+    record = _read_pid(service)
+    if record is None:
+        service.pid_file.unlink(missing_ok=True)
+        return "not running"
+    pid = record["pid"]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
+        deadline = time.monotonic() + (timeout if sig == signal.SIGTERM else 5)
+        while time.monotonic() < deadline and _group_alive(pid):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.2)
+        if not _group_alive(pid):
+            break
+    service.pid_file.unlink(missing_ok=True)
+    return f"stopped (pid {pid})"
+
+
+def _group_alive(pgid: int) -> bool:
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) == pgid:
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    return True
+        except (OSError, ProcessLookupError):
+            continue
+    return False
+
+
+def status(service: Service) -> dict:
+    record = _read_pid(service)
+    return {
+        "service": service.name,
+        "url": service.url,
+        "pid": record["pid"] if record else None,
+        "answers": answers(service),
+    }
+
+
+def environment(chosen: list[Service]) -> dict[str, str]:
+    """Client settings for the started services (`eval "$(python -m deployments.local env)"`)."""
+    env: dict[str, str] = {}
+    for service in chosen:
+        if service.name == "prefect":
+            env["PREFECT_API_URL"] = f"{service.url}/api"
+        elif service.name == "mlflow":
+            env["MLFLOW_TRACKING_URI"] = service.url
+        elif service.name == "ray":
+            env["RAY_ADDRESS"] = service.url
+            env["RAY_AUTH_MODE"] = "token"
+            env["RAY_AUTH_TOKEN_PATH"] = str(service.ray_token_file)
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deployments.local", description=__doc__)
+    parser.add_argument("command", choices=["up", "down", "status", "env"])
+    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+                        help="folder for all state, logs and pid files (default: .local/)")
+    parser.add_argument("--prefect-port", type=int, default=DEFAULT_PORTS["prefect"])
+    parser.add_argument("--mlflow-port", type=int, default=DEFAULT_PORTS["mlflow"])
+    parser.add_argument("--ray", action="store_true",
+                        help="also manage a Ray head (ray start --head) on --ray-port")
+    parser.add_argument("--ray-port", type=int, default=DEFAULT_PORTS["ray"])
+    parser.add_argument("--ray-num-cpus", type=int, default=None,
+                        help="logical CPUs the Ray head offers (default: the machine's)")
+    args = parser.parse_args(argv)
+    names = ["prefect", "mlflow"] + (["ray"] if args.ray else [])
+    chosen = services(args.state_dir, {"prefect": args.prefect_port,
+                                       "mlflow": args.mlflow_port, "ray": args.ray_port},
+                      names, args.ray_num_cpus)
+    if args.command == "env":
+        for key, value in environment(chosen).items():
+            print(f"export {key}={value}")
+        return 0
+    if args.command == "status":
+        rows = [status(service) for service in chosen]
+        for row in rows:
+            state = "answers" if row["answers"] else "down"
+            print(f"{row['service']:8} {row['url']:28} {state}"
+                  + (f" (pid {row['pid']})" if row["pid"] else ""))
+        return 0 if all(row["answers"] for row in rows) else 1
+    if args.command == "down":
+        for service in reversed(chosen):
+            print(f"{service.name:8} {stop(service)}")
+        return 0
+    if shutil.which("mlflow", path=str(Path(sys.executable).parent)) is None:
+        print("mlflow is not installed in this environment; run `make install`", file=sys.stderr)
+        return 2
+    started: list[Service] = []  # by this call, so a failure leaves nothing half up
+    try:
+        for service in chosen:
+            outcome = start(service)
+            print(f"{service.name:8} {service.url:28} {outcome}", flush=True)
+            if outcome.startswith("started"):
+                started.append(service)
+    except ServiceError as error:
+        print(f"error: {error}", file=sys.stderr)
+        for service in reversed(started):
+            stop(service)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Prefect flows: thin stories of task calls and decisions."""

@@ -1,0 +1,1 @@
+"""Prefect tasks: each wraps one coarse unit of Ray or MLflow work."""

@@ -1,0 +1,98 @@
+"""Session-wide real services: one Ray head (`ray start --head`), one MLflow server and one
+Prefect server, started through deployments.local on free ports with their own temp dirs,
+and stopped by pid after the session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from deployments import local
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# Logical CPUs of the shared test head: trials and tasks are tiny, so the 2-core CI machine
+# is oversubscribed on purpose rather than queueing every test behind one another.
+RAY_HEAD_CPUS = 4
+
+
+@dataclass(frozen=True)
+class Stack:
+    state_dir: Path
+    prefect_api_url: str
+    mlflow_uri: str
+    ray_address: str
+    ray_dashboard_url: str
+    ray_temp_dir: Path
+    ray_token: str
+
+    def ray_cluster(self, **fields):
+        from blocks import RayCluster
+
+        return RayCluster(address=self.ray_address, auth_token=self.ray_token, **fields)
+
+
+@pytest.fixture(scope="session")
+def stack() -> Stack:
+    # Short path: Ray's unix sockets live under its temp dir and must stay under 107 bytes.
+    state_dir = Path(tempfile.mkdtemp(prefix="rlt-", dir="/tmp"))
+    prefect_port, mlflow_port = local.free_ports(2)
+    (ray_port,) = local.free_ports(1, spacing=local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"])
+    services = local.services(
+        state_dir, {"prefect": prefect_port, "mlflow": mlflow_port, "ray": ray_port},
+        ("prefect", "mlflow", "ray"), ray_num_cpus=RAY_HEAD_CPUS)
+    try:
+        with ThreadPoolExecutor(len(services)) as pool:
+            for outcome in pool.map(local.start, services):
+                assert outcome.startswith("started"), outcome
+        by_name = {s.name: s for s in services}
+        ray_service = by_name["ray"]
+        yield Stack(
+            state_dir=state_dir,
+            prefect_api_url=f"{by_name['prefect'].url}/api",
+            mlflow_uri=by_name["mlflow"].url,
+            ray_address=ray_service.url,
+            ray_dashboard_url=f"http://{local.HOST}:{ray_service.dashboard_port}",
+            ray_temp_dir=state_dir / "ray",
+            ray_token=ray_service.ray_token(),
+        )
+    finally:
+        for service in reversed(services):
+            local.stop(service)
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefect_api(stack: Stack):
+    """Point this process (and the subprocesses tests start) at the session's servers."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    overrides = {
+        "PREFECT_API_URL": stack.prefect_api_url,
+        "MLFLOW_TRACKING_URI": stack.mlflow_uri,
+        # Ray's token for every driver and embedded Ray of the session, kept out of ~/.ray.
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(stack.state_dir / "ray_auth_token"),
+    }
+    saved = {k: os.environ.get(k) for k in (*overrides, "RAY_AUTH_TOKEN")}
+    os.environ.update(overrides)
+    with temporary_settings(updates={PREFECT_API_URL: stack.prefect_api_url}):
+        yield stack
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def prefect_client(stack: Stack):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        yield client

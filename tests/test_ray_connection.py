@@ -1,0 +1,97 @@
+"""The RayCluster connection carries Prefect into Ray workers, against a `ray start --head`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prefect import flow, task
+from prefect.client.schemas.filters import FlowRunFilter
+from prefect.states import StateType
+
+from blocks import RayCluster
+from flows.ray_smoke import ray_smoke
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_twenty_tasks_on_the_head_are_recorded_under_their_flow_run(stack, prefect_client):
+    report = ray_smoke(tasks=20, ray_cluster=stack.ray_cluster())
+
+    task_runs = prefect_client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id={"any_": [report.fan_out_flow_run_id]}))
+    assert len(task_runs) == 20
+    assert {run.state.type for run in task_runs} == {StateType.COMPLETED}
+    assert {run.name.split("-")[0] for run in task_runs} == {"probe"}
+    # Every worker recorded in this server, and none started a temporary one.
+    assert report.prefect_api_urls == [stack.prefect_api_url]
+    assert report.temporary_servers == 0
+    assert report.tasks == 20
+
+
+def test_a_driver_elsewhere_gets_the_project_from_py_modules_and_its_own_temporary_api(
+        stack, tmp_path):
+    """The upstream #18485 case: no PREFECT_API_URL, so the flow process runs Prefect's
+    temporary server. Workers must use that one, not start their own; and with the driver
+    outside the checkout, workers import the project from the shipped py_modules."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.ray_smoke", "--tasks", "4", "--address", stack.ray_address],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+
+    assert report["tasks"] == 4
+    assert report["temporary_servers"] == 0
+    (api_url,) = report["prefect_api_urls"]
+    assert api_url.startswith("http://127.0.0.1:") and api_url != stack.prefect_api_url
+    assert "Starting temporary server" in result.stderr + result.stdout  # the driver's only
+    for path in report["workloads_paths"]:
+        assert str(stack.ray_temp_dir) in path and "py_modules_files" in path, path
+        assert not path.startswith(str(PROJECT_ROOT))
+
+
+@task
+def record_then_die(marker: str) -> None:
+    with open(marker, "a") as out:
+        out.write("ran\n")
+    os._exit(1)  # the Ray worker process dies mid-task
+
+
+@flow
+def dying_flow(marker: str):
+    return record_then_die.submit(marker).result()
+
+
+def test_a_dead_worker_does_not_rerun_the_task_behind_prefects_back(stack, tmp_path):
+    marker = tmp_path / "runs.txt"
+    runner = stack.ray_cluster().task_runner()
+    state = dying_flow.with_options(task_runner=runner)(str(marker), return_state=True)
+
+    assert not state.is_completed()
+    # Ray's default would have re-run the body up to 3 more times under the same task run.
+    assert marker.read_text().splitlines() == ["ran"]
+
+
+def test_embedded_ray_dashboard_answers_on_loopback_only(stack):
+    """Ray 2.60 maps 127.0.0.1 to the node's own IP for its core ports (GCS, raylet): those
+    listen on every interface, behind Ray's token auth. The dashboard is ours to bind."""
+    import socket
+
+    import ray
+
+    with RayCluster(num_cpus=1).connect() as context:
+        host, port = context.dashboard_url.split(":")
+        assert host == "127.0.0.1"
+        assert ray.cluster_resources()["CPU"] == 1
+        socket.create_connection((host, int(port)), timeout=5).close()
+        node_ip = ray.util.get_node_ip_address()
+        if node_ip != "127.0.0.1":
+            with pytest.raises(OSError):
+                socket.create_connection((node_ip, int(port)), timeout=5).close()
+    assert not ray.is_initialized()
