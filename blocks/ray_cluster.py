@@ -70,9 +70,10 @@ class RayCluster(Block):
 
     address: str = Field(
         default="",
-        description=("Ray address. Empty: start an embedded local Ray bound to 127.0.0.1 for the "
-                     "flow run. 'auto': the cluster this machine belongs to. 'host:port': the GCS "
-                     "address of a `ray start --head` cluster. 'ray://host:port': Ray Client."),
+        description=("Ray address. Empty: start an embedded local Ray for the flow run (its "
+                     "dashboard on 127.0.0.1). 'auto': the cluster this machine belongs to. "
+                     "'host:port': the GCS address of a `ray start --head` cluster. "
+                     "'ray://host:port': Ray Client."),
     )
     namespace: str = Field(
         default=DEFAULT_NAMESPACE,

@@ -33,6 +33,7 @@ class RaySmokeReport(BaseModel):
     temporary_servers: int = Field(description="Workers that started a temporary server.")
     workloads_paths: list[str] = Field(description="Where workers imported `workloads` from.")
     fan_out_flow_run_id: str = Field(description="The flow run that holds the task runs.")
+    flow_run_url: str | None = Field(description="This flow run in the Prefect UI.")
 
 
 @task
@@ -60,11 +61,17 @@ def fan_out(tasks: int) -> tuple[str, list[WorkerProbe]]:
 
 @flow(name="ray-smoke", log_prints=True)
 def ray_smoke(
-    tasks: Annotated[int, Field(ge=1, le=1000, description="Prefect tasks to fan out.")] = 20,
-    ray_cluster: Annotated[RayCluster | None, Field(
-        description="Where to run; an embedded local Ray when empty.")] = None,
+    tasks: Annotated[int, Field(ge=1, le=1000)] = 20,
+    ray_cluster: RayCluster | None = None,
 ) -> RaySmokeReport:
-    """Fan `tasks` Prefect tasks out on the Ray cluster and summarise what the workers saw."""
+    """Fan `tasks` Prefect tasks out on the Ray cluster and summarise what the workers saw.
+
+    Args:
+        tasks: How many Prefect tasks to fan out on Ray (1-1000).
+        ray_cluster: Where to run; an embedded local Ray when empty.
+    """
+    from prefect.runtime import flow_run
+
     cluster = ray_cluster or RayCluster()
     run_id, probes = fan_out.with_options(task_runner=cluster.task_runner())(tasks)
     report = RaySmokeReport(
@@ -74,6 +81,7 @@ def ray_smoke(
         temporary_servers=sum(p.temporary_server for p in probes),
         workloads_paths=sorted({p.workloads_path for p in probes}),
         fan_out_flow_run_id=str(run_id),
+        flow_run_url=flow_run.ui_url,
     )
     create_markdown_artifact(
         key="ray-smoke",

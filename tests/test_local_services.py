@@ -1,0 +1,85 @@
+"""`python -m deployments.local up|status|down`: idempotent, clear on a taken port, no orphans."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from deployments import local
+
+
+def _cli(state_dir: Path, *args: str, ports: tuple[int, int]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "deployments.local", *args, "--state-dir", str(state_dir),
+         "--prefect-port", str(ports[0]), "--mlflow-port", str(ports[1])],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_up_twice_status_down_leaves_nothing_running(tmp_path):
+    ports = tuple(local.free_ports(2))
+    first = _cli(tmp_path, "up", ports=ports)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert first.stdout.count("started") == 2
+    pids = [json.loads((tmp_path / "pids" / f"{name}.json").read_text())["pid"]
+            for name in ("prefect", "mlflow")]
+    children = subprocess.run(["pgrep", "-g", ",".join(map(str, pids))],
+                              capture_output=True, text=True).stdout.split()
+    assert len(children) >= 2
+
+    second = _cli(tmp_path, "up", ports=ports)
+    assert second.returncode == 0 and second.stdout.count("already running") == 2
+
+    status = _cli(tmp_path, "status", ports=ports)
+    assert status.returncode == 0
+    assert f"http://127.0.0.1:{ports[0]}" in status.stdout and "answers" in status.stdout
+    # State stays in the chosen folder.
+    assert (tmp_path / "mlflow" / "mlflow.db").exists()
+    assert (tmp_path / "prefect").is_dir()
+
+    down = _cli(tmp_path, "down", ports=ports)
+    assert down.returncode == 0 and down.stdout.count("stopped") == 2
+    assert not any(_alive(int(pid)) for pid in children)
+    assert not list((tmp_path / "pids").glob("*.json"))
+
+    after = _cli(tmp_path, "status", ports=ports)
+    assert after.returncode == 1 and "down" in after.stdout
+    assert _cli(tmp_path, "down", ports=ports).stdout.count("not running") == 2
+
+
+def test_a_port_taken_by_someone_else_is_a_clear_error(tmp_path):
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        (free,) = local.free_ports(1)
+        result = _cli(tmp_path, "up", ports=(free, taken))
+    # prefect was started by this call, then stopped again: nothing half up.
+    assert result.returncode == 1
+    assert f"port {taken}" in result.stderr and "mlflow" in result.stderr
+    assert not list((tmp_path / "pids").glob("*.json"))
+
+
+def test_down_never_kills_a_process_it_did_not_start(tmp_path):
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        service = local.services(tmp_path)[0]
+        service.pid_file.parent.mkdir(parents=True)
+        # A stale pid file whose pid now belongs to someone else (start time differs).
+        service.pid_file.write_text(json.dumps({"pid": bystander.pid, "start_time": "1"}))
+        assert local.stop(service) == "not running"
+        assert bystander.poll() is None
+        assert not service.pid_file.exists()
+    finally:
+        bystander.kill()
+        bystander.wait()
