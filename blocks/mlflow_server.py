@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
+_SESSION_ENV = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
 _SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "databricks")
 
 
@@ -50,6 +51,14 @@ class MLflowServer(Block):
         default=None,
         description="MLflow model registry URI; the tracking URI when empty.",
     )
+    request_retries: int = Field(
+        default=2,
+        ge=0,
+        le=10,
+        description=("HTTP retries inside MLflow's client per request (its default, 7, can hang "
+                     "for minutes); the flows add their own bounded retries on connection "
+                     "errors on top."),
+    )
     token: SecretStr | None = Field(
         default=None,
         description="Bearer token for the server (MLFLOW_TRACKING_TOKEN); never logged.",
@@ -73,17 +82,19 @@ class MLflowServer(Block):
 
     @contextlib.contextmanager
     def session(self) -> Iterator[MlflowClient]:
-        """An MlflowClient bound to this server. The token reaches MLflow's REST client through
-        MLFLOW_TRACKING_TOKEN, which it reads per request: set for the session, then restored."""
+        """An MlflowClient bound to this server. MLflow reads the token and its retry count
+        from the environment per request: both are set for the session, then restored."""
         from mlflow import MlflowClient
 
-        previous = os.environ.get("MLFLOW_TRACKING_TOKEN")
+        saved_env = {key: os.environ.get(key) for key in _SESSION_ENV}
         if self.token is not None:
             os.environ["MLFLOW_TRACKING_TOKEN"] = self.token.get_secret_value()
+        os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(self.request_retries)
         try:
             yield MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.registry_uri)
         finally:
-            if previous is None:
-                os.environ.pop("MLFLOW_TRACKING_TOKEN", None)
-            else:
-                os.environ["MLFLOW_TRACKING_TOKEN"] = previous
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value

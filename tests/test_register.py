@@ -1,0 +1,210 @@
+"""register_and_promote against a real MLflow server, with real RLlib checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+from mlflow import MlflowClient
+from prefect.client.schemas.filters import FlowRunFilter
+from pydantic import ValidationError
+
+from blocks import MLflowServer
+from deployments import local
+from flows.register import RegistrationRequest, register_and_promote
+from workloads import registry
+from workloads.rllib import module_path
+
+EPISODES = 5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(stack, tmp_path_factory):
+    """A PPO policy trained a little on CartPole ('good'), and the same policy with its action
+    head forced to always push left ('bad', return about 9)."""
+    import torch
+    from ray.rllib.algorithms.ppo import PPOConfig
+    from ray.rllib.core.rl_module.rl_module import RLModule
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    config = (PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0)
+              .training(train_batch_size_per_learner=1000, minibatch_size=128, num_epochs=6,
+                        lr=1e-3)
+              .debugging(seed=0))
+    with stack.ray_cluster().connect():
+        algo = config.build_algo()
+        try:
+            for _ in range(8):
+                algo.train()
+            good = algo.save(str(root / "good")).checkpoint.path
+        finally:
+            algo.stop()
+    bad = shutil.copytree(good, root / "bad")
+    module = RLModule.from_checkpoint(module_path(bad))
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            if "pi" in name:
+                parameter.zero_()
+                if name.endswith("bias"):
+                    parameter[0] = 10.0
+    module.save_to_path(module_path(bad))
+    return {"good": str(good), "bad": str(bad)}
+
+
+def request(model: str, checkpoint: str, trial: str, **fields) -> RegistrationRequest:
+    return RegistrationRequest(model_name=model, checkpoint=checkpoint,
+                               experiment_path="/tmp/experiments/sweep-a", trial_id=trial,
+                               evaluation_episodes=EPISODES, best_config={"lr": 1e-3},
+                               metrics={"episode_return_mean": 100.0},
+                               trials=[{"trial_id": trial}], **fields)
+
+
+@pytest.fixture
+def model_name() -> str:
+    return f"policy-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def server(stack) -> MLflowServer:
+    return MLflowServer(tracking_uri=stack.mlflow_uri)
+
+
+def versions(client: MlflowClient, name: str) -> list:
+    return client.search_model_versions(f"name = '{name}'")
+
+
+def test_registering_the_same_trial_twice_gives_one_version(
+        checkpoints, server, model_name, stack):
+    first = register_and_promote(request(model_name, checkpoints["good"], "t1"), server)
+    second = register_and_promote(request(model_name, checkpoints["good"], "t1"), server)
+
+    assert (first.created, second.created) == (True, False)
+    assert first.version == second.version == "1"
+    client = MlflowClient(stack.mlflow_uri)
+    (version,) = versions(client, model_name)
+    tags = version.tags
+    assert tags["lifecycle.tune.trial_id"] == "t1"
+    assert tags["lifecycle.tune.experiment_path"] == "/tmp/experiments/sweep-a"
+    assert len(tags["lifecycle.git_commit"]) == 40
+    assert json.loads(tags["lifecycle.eval.protocol"])["episodes"] == EPISODES
+    assert tags["lifecycle.prefect.flow_run_url"].startswith("http://127.0.0.1:")
+    assert "\n" not in version.description and "t1" in version.description
+    run = client.get_run(version.run_id)
+    assert run.data.tags["lifecycle.prefect.flow_run_id"] == tags["lifecycle.prefect.flow_run_id"]
+    assert "eval_mean_return" in run.data.metrics and run.data.params["lr"] == "0.001"
+    assert {a.path for a in client.list_artifacts(version.run_id)} >= {"trials.json",
+                                                                        "evaluation.json"}
+
+
+def test_promotion_rejection_and_alias_history(checkpoints, server, model_name, stack):
+    client = MlflowClient(stack.mlflow_uri)
+    first = register_and_promote(request(model_name, checkpoints["bad"], "t1"), server)
+    assert first.promoted and "no champion" in first.reason
+
+    better = register_and_promote(request(model_name, checkpoints["good"], "t2"), server)
+    assert better.promoted, better.reason
+    assert client.get_model_version_by_alias(model_name, "champion").version == "2"
+    assert registry.resolve_alias(client, model_name, "challenger") is None
+    assert client.get_model_version(model_name, "2").tags["lifecycle.previous_champion"] == "1"
+
+    worse = register_and_promote(request(model_name, checkpoints["bad"], "t3"), server)
+    assert not worse.promoted
+    rejected = client.get_model_version(model_name, "3").tags
+    assert rejected["lifecycle.promotion.verdict"] == "rejected"
+    assert rejected["lifecycle.promotion.champion_version"] == "2"
+    assert float(rejected["lifecycle.promotion.challenger_mean_return"]) < float(
+        rejected["lifecycle.promotion.champion_mean_return"])
+    assert "not better" in rejected["lifecycle.promotion.reason"]
+    assert client.get_model_version_by_alias(model_name, "champion").version == "2"
+
+    # A person moves champion back to v1; a later better trial is promoted over it.
+    registry.move_alias(client, model_name, "champion", "1", reason="manual", actor="a person")
+    again = register_and_promote(request(model_name, checkpoints["good"], "t4"), server)
+    assert again.promoted and again.version == "4"
+
+    history = registry.alias_history(client, model_name, "champion")
+    assert [(h["version"], h["previous"]) for h in history] == [
+        ("1", None), ("2", "1"), ("1", "2"), ("4", "1")]
+
+
+def test_champion_loads_in_a_fresh_process_and_acts(checkpoints, server, model_name, stack,
+                                                   tmp_path):
+    register_and_promote(request(model_name, checkpoints["good"], "t1"), server)
+    script = (
+        "import json, numpy as np, mlflow, gymnasium as gym\n"
+        f"model = mlflow.pyfunc.load_model('models:/{model_name}@champion')\n"
+        "env = gym.make('CartPole-v1')\n"
+        "obs = np.stack([env.reset(seed=s)[0] for s in range(8)]).astype('float32')\n"
+        "print(json.dumps(np.asarray(model.predict(obs)).tolist()))\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    actions = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(actions) == 8 and set(actions) <= {0, 1}
+
+
+def test_bad_inputs_register_nothing(checkpoints, server, model_name, stack, tmp_path):
+    corrupt = shutil.copytree(checkpoints["good"], tmp_path / "corrupt")
+    (module_path(corrupt) / "module_state.pkl").write_bytes(b"not a pickle")
+    cases = [
+        (request(model_name, str(corrupt), "t1"), "does not load"),
+        (request(model_name, str(tmp_path / "missing"), "t1"), "does not exist"),
+    ]
+    for bad_request, message in cases:
+        state = register_and_promote(bad_request, server, return_state=True)
+        assert state.is_failed()
+        with pytest.raises(Exception, match=message):
+            state.result()
+    with pytest.raises(ValidationError, match="'bad name!' is not a valid registered model"):
+        request("bad name!", checkpoints["good"], "t1")
+    client = MlflowClient(stack.mlflow_uri)
+    assert versions(client, model_name) == []
+    with pytest.raises(Exception, match="not exist|RESOURCE_DOES_NOT_EXIST"):
+        client.get_registered_model(model_name)
+
+    state = register_and_promote(request(model_name, checkpoints["good"], "t1"), server,
+                                 create_model=False, return_state=True)
+    assert state.is_failed() and versions(client, model_name) == []
+
+
+def test_an_mlflow_outage_during_registration_is_retried_to_exactly_one_version(
+        checkpoints, model_name, prefect_client, tmp_path):
+    """A server of its own, stopped for a few seconds while the flow registers."""
+    (port,) = local.free_ports(1)
+    (service,) = local.services(tmp_path / "mlflow-outage", {"mlflow": port}, ("mlflow",))
+    local.start(service)
+    try:
+        server = MLflowServer(tracking_uri=service.url, request_retries=0)
+        # Make sure the model exists, then take the server down before the flow talks to it.
+        MlflowClient(service.url).create_registered_model(model_name)
+        local.stop(service)
+        restart = threading.Timer(4.0, local.start, args=(service,))
+        restart.start()
+        started = time.monotonic()
+        state = register_and_promote(request(model_name, checkpoints["good"], "t1"), server,
+                                     create_model=False, return_state=True)
+        restart.join()
+        result = state.result()
+        assert time.monotonic() - started > 4.0
+        assert result.created and result.version == "1"
+        assert len(versions(MlflowClient(service.url), model_name)) == 1
+        # Prefect records task runs from events: give the last ones a moment to land.
+        deadline = time.monotonic() + 20
+        while True:
+            task_runs = prefect_client.read_task_runs(flow_run_filter=FlowRunFilter(
+                id={"any_": [state.state_details.flow_run_id]}))
+            register_runs = [t for t in task_runs if t.name.startswith("register")]
+            if (register_runs and register_runs[0].state.is_completed()) or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        (register_run,) = register_runs
+        assert register_run.state.is_completed() and register_run.run_count > 1
+    finally:
+        local.stop(service)

@@ -1,0 +1,61 @@
+"""The promotion policy: a pure decision, tested without any service."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EvalProtocol:
+    """How a policy was scored: same environment, env_config, held-out seed and episodes."""
+
+    environment: str
+    episodes: int
+    seed: int
+    env_config: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> EvalProtocol:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class Score:
+    """One model version's evaluation under a protocol."""
+
+    version: str
+    mean_return: float
+    std_return: float
+    protocol: EvalProtocol
+
+
+@dataclass(frozen=True)
+class Verdict:
+    promote: bool
+    reason: str
+
+
+def decide_promotion(challenger: Score, champion: Score | None, margin: float) -> Verdict:
+    """Promote when there is no champion, or when the challenger's mean return beats the
+    champion's by more than `margin` under the same evaluation protocol."""
+    if margin < 0:
+        raise ValueError(f"margin must be >= 0, got {margin}")
+    if champion is None:
+        return Verdict(True, f"no champion yet; challenger v{challenger.version} scores "
+                             f"{challenger.mean_return:.2f}")
+    if champion.protocol != challenger.protocol:
+        raise ValueError(
+            f"champion v{champion.version} and challenger v{challenger.version} were scored "
+            f"under different protocols ({champion.protocol} vs {challenger.protocol}); "
+            f"score both under one protocol first")
+    gain = challenger.mean_return - champion.mean_return
+    comparison = (f"challenger v{challenger.version} {challenger.mean_return:.2f} vs champion "
+                  f"v{champion.version} {champion.mean_return:.2f} (margin {margin:g})")
+    if gain > margin:
+        return Verdict(True, f"better by {gain:.2f}: {comparison}")
+    return Verdict(False, f"not better by more than the margin: {comparison}")
