@@ -178,8 +178,9 @@ class RayCluster(Block):
             os.environ["RAY_AUTH_MODE"] = "token"
             os.environ["RAY_AUTH_TOKEN"] = self.auth_token.get_secret_value()
 
-    def task_runner(self, **remote_defaults: Any):
-        """A RayTaskRunner on this cluster that carries Prefect settings into Ray workers."""
+    def task_runner(self, **options: Any):
+        """A RayTaskRunner on this cluster that carries Prefect settings into Ray workers.
+        Options: crash_retries, crash_backoff_s, remote_defaults (Ray task options)."""
         from blocks.ray_runner import ProjectRayTaskRunner
 
-        return ProjectRayTaskRunner(cluster=self, remote_defaults=remote_defaults)
+        return ProjectRayTaskRunner(cluster=self, **options)

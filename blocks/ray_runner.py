@@ -6,17 +6,25 @@ starts a temporary server of its own (20+ s) and records its task runs there (up
 PrefectHQ/prefect#18485). This runner resolves the API URL the flow process really uses and
 writes it into the context each Ray task hydrates, with ephemeral mode off on the worker, so
 a worker that still cannot reach the API fails loudly instead of silently going elsewhere.
-It also runs Prefect tasks with Ray-level `max_retries=0`: Prefect's retries decide.
+Crash-aware retries: a Ray system failure (the worker process died, its node died, it was
+killed for memory) is re-run by Ray up to `crash_retries` times, but never behind Prefect's
+back: the re-run reads the task run from the API, records "AwaitingRetry: Ray worker crashed"
+and runs it as the next attempt of the same task run (run_count goes up), after a backoff.
+User exceptions never reach Ray (the task engine turns them into a Failed state), so they
+follow the task's own retry settings. With crash_retries=0 a dead worker's task run ends
+Crashed, and Ray never runs its body again.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
-from uuid import uuid4
+from uuid import UUID, uuid4
 
 from prefect.context import FlowRunContext, serialize_context
 from prefect.futures import PrefectFuture
+from prefect.logging.loggers import get_logger
 from prefect.settings import get_current_settings
 from prefect.tasks import Task
 from prefect.utilities.engine import collect_task_run_inputs_sync
@@ -25,9 +33,11 @@ from prefect_ray.task_runners import PrefectRayFuture, RayTaskRunner
 
 from blocks.ray_cluster import RayCluster
 
-# Ray must never re-run a Prefect task run behind Prefect's back (worker crash -> same
-# task_run_id run twice); retries are Prefect's.
-RAY_TASK_DEFAULTS: dict[str, Any] = {"max_retries": 0}
+CRASH_RETRIES = 2  # Ray-level re-runs after a system failure, each recorded in Prefect
+CRASH_BACKOFF_S = 1.0  # first re-run waits this long, then twice as long each time
+
+
+logger = get_logger(__name__)
 
 
 class PrefectAPIUnavailable(RuntimeError):
@@ -73,19 +83,30 @@ class ProjectRayTaskRunner(RayTaskRunner):
         self,
         cluster: RayCluster | None = None,
         remote_defaults: dict[str, Any] | None = None,
+        crash_retries: int = CRASH_RETRIES,
+        crash_backoff_s: float = CRASH_BACKOFF_S,
     ):
+        if crash_retries < 0 or crash_backoff_s < 0:
+            raise ValueError(f"crash_retries ({crash_retries}) and crash_backoff_s "
+                             f"({crash_backoff_s}) must be >= 0")
         self.cluster = cluster or RayCluster()
-        self.remote_defaults = {**RAY_TASK_DEFAULTS, **(remote_defaults or {})}
+        self.crash_retries = crash_retries
+        self.crash_backoff_s = crash_backoff_s
+        # Ray only retries system failures by default (retry_exceptions is off), and each
+        # re-run is recorded in Prefect by _run_on_ray.
+        self.remote_defaults = {**(remote_defaults or {}), "max_retries": crash_retries}
         self._worker_settings: dict[str, Any] | None = None
         super().__init__(address=self.cluster.ray_init_address,
                          init_kwargs=self.cluster.init_kwargs())
 
     def duplicate(self) -> ProjectRayTaskRunner:
-        return type(self)(cluster=self.cluster, remote_defaults=self.remote_defaults)
+        return type(self)(cluster=self.cluster, remote_defaults=self.remote_defaults,
+                          crash_retries=self.crash_retries, crash_backoff_s=self.crash_backoff_s)
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, ProjectRayTaskRunner) and self.cluster == other.cluster
-                and self.remote_defaults == other.remote_defaults)
+                and self.remote_defaults == other.remote_defaults
+                and self.crash_retries == other.crash_retries)
 
     def __enter__(self) -> ProjectRayTaskRunner:
         self._worker_settings = worker_settings_overrides(prefect_api_url())
@@ -132,7 +153,7 @@ class ProjectRayTaskRunner(RayTaskRunner):
         name = task.name if flow_run is None or flow_run.flow_run is None else (
             f"{task.name} (flow run {flow_run.flow_run.id})")
         object_ref = (
-            ray.remote(**options)(self._run_prefect_task)
+            ray.remote(**options)(_run_on_ray)
             .options(name=name)
             .remote(
                 *upstream_refs,
@@ -142,6 +163,137 @@ class ProjectRayTaskRunner(RayTaskRunner):
                 wait_for=wait_for,
                 dependencies=dependencies,
                 context=context,
+                crash_backoff_s=self.crash_backoff_s,
             )
         )
-        return PrefectRayFuture(task_run_id=task_run_id, wrapped_future=object_ref)
+        future = CrashRecordingRayFuture(task_run_id=task_run_id, wrapped_future=object_ref)
+        future.task = task
+        future.flow_run_id = flow_run.flow_run.id if flow_run and flow_run.flow_run else None
+        return future
+
+
+class CrashRecordingRayFuture(PrefectRayFuture):
+    """A PrefectRayFuture that, when Ray gives up on a crashed task, also records Crashed in
+    the API (stock prefect-ray only keeps it in the flow process, and the UI shows Running,
+    or nothing at all when the dead worker never sent its events)."""
+
+    task: Task[Any, Any] | None = None
+    flow_run_id: UUID | None = None
+
+    def wait(self, timeout: float | None = None) -> None:
+        super().wait(timeout)
+        self._record_crash()
+
+    def result(self, timeout: float | None = None, raise_on_failure: bool = True):
+        if self._final_state is None:
+            self.wait(timeout)
+        return super().result(timeout=timeout, raise_on_failure=raise_on_failure)
+
+    def _record_crash(self) -> None:
+        state = self._final_state
+        if state is None or not state.is_crashed() or getattr(self, "_crash_recorded", False):
+            return
+        self._crash_recorded = True
+        import httpx
+        from prefect.client.orchestration import get_client
+        from prefect.exceptions import ObjectNotFound
+
+        try:
+            with get_client(sync_client=True) as client:
+                try:
+                    client.set_task_run_state(self.task_run_id, state, force=True)
+                except (ObjectNotFound, httpx.HTTPStatusError) as missing:
+                    if getattr(getattr(missing, "response", None), "status_code", 404) != 404:
+                        raise
+                    client.create_task_run(self.task, self.flow_run_id,
+                                           dynamic_key=str(self.task_run_id),
+                                           id=self.task_run_id, state=state)
+        except Exception as error:  # the flow still sees Crashed; only the UI lags
+            logger.warning("Could not record Crashed for task run %s: %s",
+                           self.task_run_id, error)
+
+
+def _run_on_ray(
+    *upstream_refs: Any,
+    task: Task[Any, Any],
+    task_run_id: UUID,
+    context: dict[str, Any],
+    parameters: dict[str, Any],
+    wait_for: Iterable[PrefectFuture[Any]] | None = None,
+    dependencies: dict[str, set[Any]] | None = None,
+    crash_backoff_s: float = CRASH_BACKOFF_S,
+) -> Any:
+    """Run one Prefect task run in a Ray worker; when Ray re-runs it after a system failure,
+    continue the same task run as its next, recorded attempt."""
+    import asyncio
+
+    import ray
+    from prefect.task_engine import run_task_async, run_task_sync
+    from prefect.utilities.collections import visit_collection
+
+    parameters = visit_collection(
+        parameters, visit_fn=lambda x: ray.get(x) if isinstance(x, ray.ObjectRef) else x,
+        return_data=True)
+    attempt = ray._private.worker.global_worker.core_worker.get_current_task_attempt_number()
+    task_run = None
+    if attempt > 0:
+        time.sleep(crash_backoff_s * 2 ** (attempt - 1))
+        task_run = _continue_after_crash(task_run_id, context, attempt)
+    kwargs: dict[str, Any] = dict(task=task, parameters=parameters, wait_for=wait_for,
+                                  dependencies=dependencies, context=context,
+                                  return_type="state")
+    if task_run is None:
+        kwargs["task_run_id"] = task_run_id
+    else:
+        kwargs["task_run"] = task_run
+    if task.isasync:
+        return asyncio.run(run_task_async(**kwargs))
+    if attempt == 0 or task_run is not None:
+        return run_task_sync(**kwargs)
+    return _run_sync_counting_lost_attempts(task_run_id, attempt, kwargs)
+
+
+def _run_sync_counting_lost_attempts(task_run_id: UUID, attempt: int, kwargs: dict[str, Any]):
+    """run_task_sync for a re-run whose crashed attempts never reached the API (the worker
+    died before its events were sent): the run is created afresh, and its run_count then
+    counts those lost attempts too."""
+    from prefect.task_engine import SyncTaskRunEngine
+
+    engine = SyncTaskRunEngine(task=kwargs["task"], parameters=kwargs["parameters"],
+                               wait_for=kwargs["wait_for"], context=kwargs["context"])
+    with engine.start(task_run_id=task_run_id, dependencies=kwargs["dependencies"]):
+        if engine.task_run is not None:
+            engine.task_run.run_count += attempt
+            engine.logger.warning("Attempt %s of this task run: the Ray worker running the "
+                                  "previous one crashed", engine.task_run.run_count)
+        while engine.is_running():
+            engine.wait_until_ready()
+            with (engine.asset_context(), engine.run_context(),
+                  engine.transaction_context() as txn):
+                engine.call_task_fn(txn)
+    return engine.state
+
+
+def _continue_after_crash(task_run_id: UUID, context: dict[str, Any], attempt: int):
+    """The crashed attempt's task run, marked AwaitingRetry; None when the crashed worker
+    died before the API heard of it (the engine then creates the run afresh)."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import SettingsContext
+    from prefect.states import AwaitingRetry
+    from prefect.utilities.engine import emit_task_run_state_change_event
+
+    with SettingsContext(**context["settings_context"]):
+        try:
+            with get_client(sync_client=True) as client:
+                task_run = client.read_task_run(task_run_id)
+        except Exception as error:
+            logger.debug("Task run %s is not in the API (%r): its crashed worker died "
+                         "before sending its events", task_run_id, error)
+            return None
+        previous = task_run.state
+        task_run.state = AwaitingRetry(
+            scheduled_time=None,
+            message=f"Ray worker crashed; Ray re-run {attempt} of this task run")
+        emit_task_run_state_change_event(task_run=task_run, initial_state=previous,
+                                         validated_state=task_run.state)
+    return task_run

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,25 +58,81 @@ def test_a_driver_elsewhere_gets_the_project_from_py_modules_and_its_own_tempora
 
 
 @task
-def record_then_die(marker: str) -> None:
+def record_then_die(marker: str, survive_after: int) -> int:
+    """Append a line; kill the Ray worker process until `survive_after` lines exist."""
     with open(marker, "a") as out:
         out.write("ran\n")
-    os._exit(1)  # the Ray worker process dies mid-task
+    runs = len(Path(marker).read_text().splitlines())
+    if runs <= survive_after:
+        os._exit(1)  # the worker process dies mid-task, as on a node loss or OOM kill
+    return runs
 
 
 @flow
-def dying_flow(marker: str):
-    return record_then_die.submit(marker).result()
+def dying_flow(marker: str, survive_after: int):
+    return record_then_die.submit(marker, survive_after).result()
 
 
-def test_a_dead_worker_does_not_rerun_the_task_behind_prefects_back(stack, tmp_path):
+def _task_runs(prefect_client, flow_run_id, wait_for):
+    """Task runs land through events: poll briefly until `wait_for(runs)` holds."""
+    deadline = time.monotonic() + 20
+    while True:
+        runs = prefect_client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
+        if wait_for(runs) or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.5)
+
+
+def test_a_crashed_worker_is_retried_as_a_recorded_attempt(stack, tmp_path, prefect_client):
     marker = tmp_path / "runs.txt"
-    runner = stack.ray_cluster().task_runner()
-    state = dying_flow.with_options(task_runner=runner)(str(marker), return_state=True)
+    runner = stack.ray_cluster().task_runner(crash_retries=2, crash_backoff_s=0.1)
+    state = dying_flow.with_options(task_runner=runner)(str(marker), 1, return_state=True)
+
+    assert state.is_completed(), state
+    assert state.result() == 2
+    # The body ran once per attempt, and Prefect knows of both attempts.
+    assert marker.read_text().splitlines() == ["ran", "ran"]
+    (task_run,) = _task_runs(prefect_client, state.state_details.flow_run_id,
+                             lambda runs: runs and runs[0].state.is_completed())
+    assert task_run.state.is_completed() and task_run.run_count == 2
+
+
+def test_crash_retries_exhausted_end_crashed_without_hidden_reruns(
+        stack, tmp_path, prefect_client):
+    marker = tmp_path / "runs.txt"
+    runner = stack.ray_cluster().task_runner(crash_retries=1, crash_backoff_s=0.1)
+    state = dying_flow.with_options(task_runner=runner)(str(marker), 99, return_state=True)
 
     assert not state.is_completed()
-    # Ray's default would have re-run the body up to 3 more times under the same task run.
-    assert marker.read_text().splitlines() == ["ran"]
+    # One run plus one crash retry; Ray's own default would have run it four times.
+    assert marker.read_text().splitlines() == ["ran", "ran"]
+    (task_run,) = _task_runs(prefect_client, state.state_details.flow_run_id,
+                             lambda runs: runs and runs[0].state.is_crashed())
+    assert task_run.state.is_crashed()
+
+
+@task(retries=1)
+def fail_with_user_error(marker: str) -> None:
+    with open(marker, "a") as out:
+        out.write("ran\n")
+    raise ValueError("bad input")
+
+
+@flow
+def user_error_flow(marker: str):
+    return fail_with_user_error.submit(marker).result()
+
+
+def test_a_user_error_follows_the_tasks_own_retries_only(stack, tmp_path):
+    marker = tmp_path / "runs.txt"
+    runner = stack.ray_cluster().task_runner(crash_retries=3)
+    state = user_error_flow.with_options(task_runner=runner)(str(marker), return_state=True)
+
+    assert state.is_failed()
+    with pytest.raises(ValueError, match="bad input"):
+        state.result()
+    assert marker.read_text().splitlines() == ["ran", "ran"]  # 1 run + retries=1
 
 
 def test_embedded_ray_dashboard_answers_on_loopback_only(stack):
