@@ -6,6 +6,7 @@ import contextlib
 import ipaddress
 import os
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -174,9 +175,18 @@ class RayCluster(Block):
 
     def export_auth_token(self) -> None:
         """Ray reads its token from the environment only; this process then carries it."""
-        if self.auth_token is not None:
-            os.environ["RAY_AUTH_MODE"] = "token"
-            os.environ["RAY_AUTH_TOKEN"] = self.auth_token.get_secret_value()
+        if self.auth_token is None:
+            return
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = self.auth_token.get_secret_value()
+        if "ray" in sys.modules:
+            # Ray caches its auth mode and token at first use in a process; refresh them the
+            # way Ray itself does when it turns token auth on (Ray 2.60 internals).
+            with contextlib.suppress(ImportError, AttributeError):
+                from ray._raylet import AuthenticationTokenLoader, Config
+
+                Config.initialize("")
+                AuthenticationTokenLoader.instance().reset_cache()
 
     def task_runner(self, **options: Any):
         """A RayTaskRunner on this cluster that carries Prefect settings into Ray workers.

@@ -38,6 +38,31 @@ CRASH_BACKOFF_S = 1.0  # first re-run waits this long, then twice as long each t
 
 
 logger = get_logger(__name__)
+RAY_OPTIONS_ATTRIBUTE = "__ray_options__"
+
+
+def ray_options(**options: Any):
+    """Ray resources and options for one Prefect task, on the task itself:
+
+        @task
+        @ray_options(num_cpus=2, memory=2 * 1024**3, runtime_env={"env_vars": {"A": "1"}})
+        def train(...): ...
+
+    Any `ray.remote` option is accepted (num_cpus, num_gpus, memory, resources, runtime_env,
+    scheduling_strategy, ...). prefect-ray's `remote_options` context still wins over these.
+    """
+    import ray  # noqa: F401  (the private module below expects the package loaded first)
+    from ray._common.ray_option_utils import task_options
+
+    unknown = set(options) - set(task_options)
+    if unknown:
+        raise ValueError(f"unknown Ray task options: {sorted(unknown)}")
+
+    def attach(fn):
+        setattr(fn, RAY_OPTIONS_ATTRIBUTE, dict(options))
+        return fn
+
+    return attach
 
 
 class PrefectAPIUnavailable(RuntimeError):
@@ -148,7 +173,8 @@ class ProjectRayTaskRunner(RayTaskRunner):
         context["settings_context"] = settings_context
 
         parameters, upstream_refs = self._exchange_prefect_for_ray_futures(parameters)
-        options = {**self.remote_defaults, **RemoteOptionsContext.get().current_remote_options}
+        options = {**self.remote_defaults, **getattr(task.fn, RAY_OPTIONS_ATTRIBUTE, {}),
+                   **RemoteOptionsContext.get().current_remote_options}
         flow_run = FlowRunContext.get()
         name = task.name if flow_run is None or flow_run.flow_run is None else (
             f"{task.name} (flow run {flow_run.flow_run.id})")
@@ -231,6 +257,7 @@ def _run_on_ray(
     from prefect.task_engine import run_task_async, run_task_sync
     from prefect.utilities.collections import visit_collection
 
+    _adopt_flow_settings(context)
     parameters = visit_collection(
         parameters, visit_fn=lambda x: ray.get(x) if isinstance(x, ray.ObjectRef) else x,
         return_data=True)
@@ -246,11 +273,58 @@ def _run_on_ray(
         kwargs["task_run_id"] = task_run_id
     else:
         kwargs["task_run"] = task_run
-    if task.isasync:
-        return asyncio.run(run_task_async(**kwargs))
-    if attempt == 0 or task_run is not None:
-        return run_task_sync(**kwargs)
-    return _run_sync_counting_lost_attempts(task_run_id, attempt, kwargs)
+    logs = _TaskRunLogs(context)
+    try:
+        if task.isasync:
+            return asyncio.run(run_task_async(**kwargs))
+        if attempt == 0 or task_run is not None:
+            return run_task_sync(**kwargs)
+        return _run_sync_counting_lost_attempts(task_run_id, attempt, kwargs)
+    finally:
+        logs.send()
+
+
+class _TaskRunLogs:
+    """Collects what a task run logs in this Ray worker and sends it in one request when the
+    run ends. Prefect's background log worker only flushes on its next log or at process
+    exit, and idle Ray workers are killed, not exited: measured, a task's logs never reached
+    the API. (Prefect's own ProcessPoolTaskRunner swaps the same sink.)"""
+
+    _client: Any = None  # one API client per worker process (opening one costs ~60 ms)
+    _client_url: str | None = None
+
+    def __init__(self, context: dict[str, Any]):
+        from prefect.logging.handlers import set_api_log_sink
+
+        self.api_url = context["settings_context"]["settings"]["api"]["url"]
+        self.logs: list[dict[str, Any]] = []
+        set_api_log_sink(self.logs.append)
+
+    @classmethod
+    def client(cls, api_url: str):
+        from prefect.client.orchestration import get_client
+
+        if cls._client is None or cls._client_url != api_url:
+            # Global settings hold this URL already (_adopt_flow_settings).
+            cls._client = get_client(sync_client=True).__enter__()
+            cls._client_url = api_url
+        return cls._client
+
+    def send(self) -> None:
+        import orjson
+        from prefect.logging.handlers import set_api_log_sink
+
+        set_api_log_sink(None)
+        if not self.logs:
+            return
+        body = orjson.dumps([{k: v for k, v in log.items() if k != "__payload_size__"}
+                             for log in self.logs])
+        try:
+            self.client(self.api_url).request(
+                "POST", "/logs/", content=body, headers={"Content-Type": "application/json"})
+        except Exception as error:  # logs are best effort; the task's outcome is not
+            logger.warning("Could not send %d log lines of this task run: %s",
+                           len(self.logs), error)
 
 
 def _run_sync_counting_lost_attempts(task_run_id: UUID, attempt: int, kwargs: dict[str, Any]):
@@ -272,6 +346,20 @@ def _run_sync_counting_lost_attempts(task_run_id: UUID, attempt: int, kwargs: di
                   engine.transaction_context() as txn):
                 engine.call_task_fn(txn)
     return engine.state
+
+
+def _adopt_flow_settings(context: dict[str, Any]) -> None:
+    """Make the flow's settings this worker process's global ones. The task engine hydrates
+    them per task, but Prefect's background services (the API log worker, the events worker)
+    run in their own thread and read the process-global settings: without this they have no
+    API URL, start a temporary server, and the task's logs never reach its task run."""
+    import prefect.context
+    from prefect.context import SettingsContext
+
+    wanted = context["settings_context"]["settings"]["api"]["url"]
+    if prefect.context.GLOBAL_SETTINGS_CONTEXT.settings.api.url != wanted:
+        # Building settings re-reads env and profiles (about 30 ms): once per process.
+        prefect.context.GLOBAL_SETTINGS_CONTEXT = SettingsContext(**context["settings_context"])
 
 
 def _continue_after_crash(task_run_id: UUID, context: dict[str, Any], attempt: int):

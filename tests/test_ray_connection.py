@@ -15,6 +15,7 @@ from prefect.client.schemas.filters import FlowRunFilter
 from prefect.states import StateType
 
 from blocks import RayCluster
+from blocks.ray_runner import ray_options
 from flows.ray_smoke import ray_smoke
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -152,3 +153,65 @@ def test_embedded_ray_dashboard_answers_on_loopback_only(stack):
             with pytest.raises(OSError):
                 socket.create_connection((node_ip, int(port)), timeout=5).close()
     assert not ray.is_initialized()
+
+
+@task
+@ray_options(num_cpus=3, runtime_env={"env_vars": {"PROBE_FLAG": "on"}})
+def what_ray_gave_me() -> dict:
+    import ray
+
+    return {"cpus": ray.get_runtime_context().get_assigned_resources().get("CPU"),
+            "flag": os.environ.get("PROBE_FLAG")}
+
+
+@task(timeout_seconds=2)
+def too_slow() -> None:
+    time.sleep(60)
+
+
+@task(log_prints=True)
+def chatty(word: str) -> None:
+    from prefect import get_run_logger
+
+    get_run_logger().info("logger says %s", word)
+    print(f"print says {word}")
+
+
+@flow
+def execution_flow(word: str):
+    resources = what_ray_gave_me.submit().result()
+    slow = too_slow.submit()
+    slow.wait()
+    chatty.submit(word).result()
+    return resources, slow.state
+
+
+def test_ray_resources_timeouts_and_logs_on_the_task_itself(stack, prefect_client):
+    from prefect.client.schemas.filters import LogFilter
+
+    word = f"w{time.monotonic_ns()}"
+    started = time.monotonic()
+    state = execution_flow.with_options(task_runner=stack.ray_cluster().task_runner())(
+        word, return_state=True)
+    resources, slow_state = state.result()
+
+    assert resources == {"cpus": 3.0, "flag": "on"}
+    assert slow_state.is_failed() and slow_state.name == "TimedOut"
+    assert time.monotonic() - started < 45
+    # What the task logged and printed inside its Ray worker sits under its own task run.
+    runs = _task_runs(prefect_client, state.state_details.flow_run_id,
+                      lambda runs: any(r.name.startswith("chatty") for r in runs))
+    (chatty_run,) = [r for r in runs if r.name.startswith("chatty")]
+    deadline = time.monotonic() + 20
+    while True:
+        messages = [log.message for log in prefect_client.read_logs(
+            log_filter=LogFilter(task_run_id={"any_": [chatty_run.id]}))]
+        if sum(word in m for m in messages) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert f"logger says {word}" in messages and f"print says {word}" in messages
+
+
+def test_an_unknown_ray_option_is_rejected():
+    with pytest.raises(ValueError, match="num_cpu"):
+        ray_options(num_cpu=1)
