@@ -12,6 +12,8 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS = yaml.safe_load((PROJECT_ROOT / "prefect.yaml").read_text())["deployments"]
 # What a user fills in the run form for parameters a deployment cannot default.
 USER_INPUT = {
+    "data-prep": {"params": {"source": "/data/*.parquet", "output": "/prepared",
+                             "split_key": "id"}},
     "register-and-promote": {"request": {"checkpoint": "/ckpt", "experiment_path": "/exp",
                                          "trial_id": "t1"}},
 }

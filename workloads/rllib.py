@@ -18,7 +18,8 @@ SEARCH_SPACE_KINDS = ("uniform", "loguniform", "choice", "randint", "grid")
 # Where RLlib's new API stack reports a trial's mean episode return and its env steps.
 RETURN_METRIC = "env_runners/episode_return_mean"
 ENV_STEPS_METRIC = "num_env_steps_sampled_lifetime"
-# Held-out evaluation seeds start far from the training seeds so no episode repeats one.
+# Held-out evaluation seeds start far from the training seeds (seed + env runner index), so
+# no evaluation episode repeats a training one. Registration's protocol depends on it.
 EVAL_SEED_OFFSET = 1_000_000
 
 
@@ -130,8 +131,8 @@ def build_config(algorithm: str, env_name: str, env_config: Mapping[str, Any],
                  resources: TrialResources, seed: int, fixed: Mapping[str, Any]):
     """The algorithm's config with its env, resources, seed and fixed hyperparameters.
 
-    Every env runner's env is seeded from `seed` (RLlib offsets it per runner and env), so
-    a trial with the same config replays the same episodes."""
+    Every env runner's envs, and torch, are seeded from `seed` (RLlib adds the env runner's
+    index), so a trial with the same config replays the same episodes."""
     config = algorithm_class(algorithm).get_default_config()
     unknown = sorted(set(fixed) - config_fields(config))
     if unknown:

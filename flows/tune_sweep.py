@@ -1,0 +1,68 @@
+"""A Tune sweep of an RLlib agent as a Prefect flow: run (or resume) the sweep, evaluate the
+best checkpoint's RLModule on held-out seeds, and publish what happened.
+
+The Tune driver runs in the flow process. Cancelling the flow run in Prefect stops Tune and
+its trials (polled by the driver; a worker's SIGTERM ends the driver, and Ray its trials)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from prefect import flow
+from prefect.runtime import flow_run
+from pydantic import BaseModel, Field
+
+from blocks import RayCluster
+from tasks.tune import (
+    DEFAULT_STORAGE_ROOT,
+    EvaluationReport,
+    SweepConfig,
+    TrialSummary,
+    evaluate,
+    publish,
+    run_sweep,
+)
+
+
+class SweepResult(BaseModel):
+    best_config: dict[str, Any] = Field(description="The best trial's searched fields.")
+    metrics: dict[str, Any] = Field(description="The best trial's return, env steps, iterations.")
+    checkpoint_path: str = Field(description="The best trial's best checkpoint.")
+    experiment_path: str = Field(description="The Tune experiment directory.")
+    evaluation: EvaluationReport = Field(description="Greedy held-out episodes of the checkpoint.")
+    trials: list[TrialSummary] = Field(description="Every trial of the sweep.")
+    resumed: bool = Field(description="Whether this run resumed an earlier attempt's sweep.")
+
+
+@flow(name="tune-sweep", log_prints=True)
+def tune_sweep(
+    sweep: SweepConfig | None = None,
+    ray_cluster: RayCluster | None = None,
+    storage_root: str = DEFAULT_STORAGE_ROOT,
+    evaluation_episodes: Annotated[int, Field(ge=1)] = 10,
+) -> SweepResult:
+    """Sweep an RLlib algorithm with Tune, then evaluate and publish the best checkpoint.
+
+    Args:
+        sweep: What to train, what to search and how trials run; empty: PPO on CartPole.
+        ray_cluster: Where to run; an embedded local Ray when empty.
+        storage_root: Folder (shared by every Ray node) for sweeps; a flow run's sweep lives
+            under its id, so a retry or re-run of that flow run resumes it.
+        evaluation_episodes: Held-out greedy episodes to evaluate the best checkpoint.
+    """
+    sweep = sweep or SweepConfig()
+    swept = run_sweep(sweep, ray_cluster or RayCluster(), storage_root, return_state=True)
+    if swept.is_cancelled():
+        return swept  # cancelled in Prefect: Tune stopped its trials; end the run Cancelled
+    outcome = swept.result()
+    evaluation = evaluate(outcome.best.checkpoint, sweep.environment, sweep.env_config,
+                          evaluation_episodes, sweep.seed)
+    publish(outcome, evaluation)
+    best = outcome.best
+    return SweepResult(
+        best_config=best.config,
+        metrics={"best_return": best.best_return, "env_steps": best.env_steps,
+                 "iterations": best.iterations, "trial_id": best.trial_id,
+                 "flow_run_id": str(flow_run.id)},
+        checkpoint_path=best.checkpoint, experiment_path=outcome.experiment_path,
+        evaluation=evaluation, trials=outcome.trials, resumed=outcome.resumed)

@@ -1,0 +1,322 @@
+"""The tune-sweep flow against the session's real Ray head and Prefect server, on tiny budgets."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import pytest
+from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
+from prefect.states import Cancelling, Crashed
+from pydantic import ValidationError
+
+from flows.tune_sweep import tune_sweep
+from tasks.tune import SweepConfig
+from workloads import rllib
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# A PPO trial iteration of ~1 s on the shared 2-core machine.
+TINY = {
+    "hyperparameters": {"train_batch_size_per_learner": 256, "minibatch_size": 64,
+                        "num_epochs": 2},
+    "scheduler": {"kind": "fifo"},
+    "stop": {"training_iterations": 2, "env_steps": None, "episode_return": None},
+}
+
+
+def tiny(**fields) -> SweepConfig:
+    return SweepConfig(**{**TINY, **fields})
+
+
+def result_lines(trial_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (trial_dir / "result.json").read_text().splitlines()]
+
+
+# --- pure pieces ---------------------------------------------------------------------------
+
+def test_search_space_spec_becomes_tune_domains():
+    from ray.tune.search.sample import Categorical, Float, Integer
+
+    space = rllib.parse_search_space({
+        "lr": {"loguniform": [1e-4, 1e-3]}, "gamma": {"uniform": [0.9, 0.99]},
+        "minibatch_size": {"choice": [64, 128]}, "num_epochs": {"randint": [1, 5]},
+        "entropy_coeff": {"grid": [0.0, 0.01]}})
+    assert isinstance(space["lr"], Float) and space["lr"].lower == 1e-4
+    assert isinstance(space["gamma"], Float) and space["gamma"].upper == 0.99
+    assert isinstance(space["minibatch_size"], Categorical)
+    assert space["minibatch_size"].categories == [64, 128]
+    assert isinstance(space["num_epochs"], Integer) and space["num_epochs"].upper == 5
+    assert space["entropy_coeff"] == {"grid_search": [0.0, 0.01]}
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"lr": {"logunifrom": [1e-4, 1e-3]}}, "key 'lr': unknown kind 'logunifrom'"),
+    ({"lr": {"loguniform": [0, 1e-3]}}, "key 'lr': loguniform needs low > 0"),
+    ({"lr": {"uniform": [1e-3, 1e-4]}}, "key 'lr': uniform needs low < high"),
+    ({"num_epochs": {"randint": [1.5, 4]}}, "key 'num_epochs': randint takes"),
+    ({"minibatch_size": {"choice": []}}, "key 'minibatch_size': choice takes a non-empty"),
+    ({"minibatch_size": [64, 128]}, "key 'minibatch_size': expected one of"),
+])
+def test_a_bad_search_space_spec_names_the_key(spec, message):
+    with pytest.raises(ValueError, match=message):
+        rllib.parse_search_space(spec)
+
+
+def test_the_flow_rejects_a_bad_spec_before_any_ray_work(tmp_path):
+    with pytest.raises(ValidationError, match="search space key 'minibatch_sise' is not a config"):
+        SweepConfig(search_space={"minibatch_sise": {"choice": [64, 128]}})
+    started = time.monotonic()
+    with pytest.raises(Exception, match="'lr': loguniform needs low > 0"):
+        tune_sweep(sweep={"search_space": {"lr": {"loguniform": [0, 1]}}},
+                   storage_root=str(tmp_path))
+    assert time.monotonic() - started < 30
+    assert not any(tmp_path.iterdir())
+
+
+def test_every_flow_parameter_and_setting_is_described_for_the_ui():
+    schema = tune_sweep.parameters.model_dump()
+    undescribed = [name for name, prop in schema["properties"].items()
+                   if not prop.get("description")]
+    undescribed += [f"{model}.{name}" for model, definition in schema["definitions"].items()
+                    for name, prop in definition.get("properties", {}).items()
+                    if not prop.get("description")]
+    assert undescribed == []
+    assert "SweepConfig" in schema["definitions"]
+
+
+def test_stop_conditions_stop_a_trial_at_the_first_one_met():
+    from tasks.tune import StopConditions, SweepStopper
+
+    stop = StopConditions(env_steps=4000, episode_return=450, trial_seconds=60)
+    assert stop.criteria() == {rllib.ENV_STEPS_METRIC: 4000, rllib.RETURN_METRIC: 450,
+                               "time_total_s": 60}
+    stopper = SweepStopper(stop.criteria(), flow_run_id=None)
+
+    def result(steps, ret, seconds):
+        return {rllib.ENV_STEPS_METRIC: steps, "time_total_s": seconds,
+                "env_runners": {"episode_return_mean": ret}}
+
+    assert not stopper("t", result(2000, 120.0, 10))
+    assert not stopper("t", result(2000, float("nan"), 10))  # no episode finished yet
+    assert stopper("t", result(2000, 451.0, 10))
+    assert stopper("t", result(4000, 120.0, 10))
+    assert stopper("t", result(2000, 120.0, 61))
+    assert not stopper.stop_all()  # outside a flow run nothing can cancel it
+
+
+def test_preflight_verdict_names_what_was_asked_and_what_exists():
+    assert rllib.unschedulable_reason({"CPU": 2}, {"CPU": 4, "memory": 1e9}) is None
+    reason = rllib.unschedulable_reason({"CPU": 1, "GPU": 1}, {"CPU": 4})
+    assert reason is not None
+    assert "CPU=1, GPU=1" in reason and "has GPU=0" in reason
+
+
+# --- against the session's Ray head --------------------------------------------------------
+
+def test_preflight_rejects_a_gpu_trial_on_a_cpu_cluster_within_seconds(stack, tmp_path):
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"preflight: one trial asks for CPU=1, GPU=1, but the "
+                                         r"whole Ray cluster has GPU=0"):
+        tune_sweep(sweep=tiny(resources={"gpus": 1}), ray_cluster=stack.ray_cluster(),
+                   storage_root=str(tmp_path))
+    assert time.monotonic() - started < 30
+    assert not list(tmp_path.rglob("experiment_state-*.json"))  # no trial ever started
+
+
+def test_two_trial_sweep_finishes_and_its_checkpoint_loads_and_acts(
+        stack, tmp_path, prefect_client):
+    result = tune_sweep(
+        sweep=tiny(num_samples=2, seed=7, scheduler={"kind": "asha"},
+                   search_space={"lr": {"loguniform": [1e-4, 1e-3]},
+                                 "minibatch_size": {"choice": [64, 128]}}),
+        ray_cluster=stack.ray_cluster(), storage_root=str(tmp_path), evaluation_episodes=3)
+
+    assert len(result.trials) == 2
+    assert {t.status for t in result.trials} == {"TERMINATED"}
+    assert {t.iterations for t in result.trials} == {2}
+    assert {t.env_steps for t in result.trials} == {512}
+    assert len({t.config["lr"] for t in result.trials}) == 2
+    assert result.best_config in [t.config for t in result.trials]
+    assert result.metrics["best_return"] == max(t.best_return for t in result.trials)
+    flow_run_id = result.metrics["flow_run_id"]
+    assert result.experiment_path == str(tmp_path / flow_run_id / "sweep")
+
+    # Both trials' envs were seeded from the sweep's seed: before any update, their first
+    # iterations sampled the same episodes.
+    first_returns = {result_lines(Path(t.checkpoint).parent)[0]["env_runners"]
+                     ["episode_return_mean"] for t in result.trials}
+    assert len(first_returns) == 1
+
+    # The checkpoint's RLModule alone acts in the env.
+    module = rllib.load_policy(result.checkpoint_path)
+    env = gym.make("CartPole-v1")
+    obs, _ = env.reset(seed=0)
+    action = rllib.greedy_action(module, obs)
+    assert env.action_space.contains(int(action))
+    assert result.evaluation.episodes == 3 and len(result.evaluation.returns) == 3
+    assert result.evaluation.seeds == [7 + rllib.EVAL_SEED_OFFSET + i for i in range(3)]
+    assert all(9 <= r <= 500 for r in result.evaluation.returns)  # CartPole's own bounds
+
+    artifacts = {a.key: a for a in prefect_client.read_artifacts(
+        flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))}
+    assert artifacts["tune-sweep-progress"].data == 100
+    table = json.loads(artifacts["tune-sweep-trials"].data)
+    assert sorted(row["trial"] for row in table) == sorted(t.trial_id for t in result.trials)
+    best_md = artifacts["tune-sweep-best"].data
+    assert result.metrics["trial_id"] in best_md and result.experiment_path in best_md
+    assert stack.ray_dashboard_url.removeprefix("http://") in best_md
+
+
+def test_a_failing_trial_is_retried_up_to_max_failures_then_fails_the_flow(stack, tmp_path):
+    survived = tmp_path / "survived"
+    result = tune_sweep(
+        sweep=tiny(environment="workloads.rllib:flaky_cartpole",
+                   env_config={"marker_dir": str(survived), "failures": 1},
+                   num_samples=1, max_failures=1, stop={"training_iterations": 1}),
+        ray_cluster=stack.ray_cluster(), storage_root=str(tmp_path / "a"), evaluation_episodes=1)
+    assert [t.status for t in result.trials] == ["TERMINATED"]
+    assert len(list(survived.glob("failure-*"))) == 1
+
+    beyond = tmp_path / "beyond"
+    with pytest.raises(RuntimeError, match=r"failed after 1 retries: .*injected env failure 2"):
+        tune_sweep(
+            sweep=tiny(environment="workloads.rllib:flaky_cartpole",
+                       env_config={"marker_dir": str(beyond), "failures": 3},
+                       num_samples=1, max_failures=1, stop={"training_iterations": 1}),
+            ray_cluster=stack.ray_cluster(), storage_root=str(tmp_path / "b"))
+    assert len(list(beyond.glob("failure-*"))) == 2  # the first try and its one retry
+
+
+RUN_EXISTING_FLOW_RUN = """
+import json, sys
+from prefect.client.orchestration import get_client
+from prefect.flow_engine import run_flow
+from blocks import RayCluster
+from flows.tune_sweep import tune_sweep
+
+flow_run_id, address, token, parameters = sys.argv[1:]
+with get_client(sync_client=True) as client:
+    flow_run = client.read_flow_run(flow_run_id)
+parameters = json.loads(parameters)
+parameters["ray_cluster"] = RayCluster(address=address, auth_token=token)
+print(run_flow(tune_sweep, flow_run=flow_run, parameters=parameters).model_dump_json())
+"""
+
+
+def _start_flow_run(stack, flow_run_id, parameters, tmp_path):
+    script = tmp_path / "run_existing.py"
+    script.write_text(RUN_EXISTING_FLOW_RUN)
+    # Tune saves its experiment state at most every TUNE_GLOBAL_CHECKPOINT_S; the test waits
+    # for a finished trial to be recorded there, so make that quick.
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "TUNE_GLOBAL_CHECKPOINT_S": "1"}
+    return subprocess.Popen(
+        [sys.executable, str(script), str(flow_run_id), stack.ray_address, stack.ray_token,
+         json.dumps(parameters)],
+        cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
+
+
+def _recorded_statuses(experiment: Path) -> dict[str, str]:
+    statuses = {}
+    for state_file in glob.glob(str(experiment / "experiment_state-*.json")):
+        try:
+            data = json.loads(Path(state_file).read_text())
+        except (json.JSONDecodeError, OSError):
+            continue  # being written
+        for trial_json, _ in data["trial_data"]:
+            trial = json.loads(trial_json)
+            statuses[trial["trial_id"]] = trial["status"]
+    return statuses
+
+
+def test_a_killed_flow_run_resumes_its_sweep_without_redoing_finished_trials(
+        stack, tmp_path, prefect_client):
+    parameters = {
+        "sweep": {**TINY, "search_space": {"lr": {"grid": [1e-4, 3e-4, 1e-3]}},
+                  "num_samples": 1, "max_concurrent_trials": 1,
+                  "stop": {"training_iterations": 3}},
+        "storage_root": str(tmp_path / "sweeps"),
+        "evaluation_episodes": 1,
+    }
+    flow_run = prefect_client.create_flow_run(tune_sweep, parameters=parameters)
+    experiment = tmp_path / "sweeps" / str(flow_run.id) / "sweep"
+
+    first = _start_flow_run(stack, flow_run.id, parameters, tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while "TERMINATED" not in _recorded_statuses(experiment).values():
+            assert first.poll() is None, first.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no trial finished in time"
+            time.sleep(0.5)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the flow process dies mid-sweep
+        first.wait()
+    before = _recorded_statuses(experiment)
+    finished = sorted(t for t, status in before.items() if status == "TERMINATED")
+    assert 1 <= len(finished) < 3
+    finished_lines = {t: result_lines(next(experiment.glob(f"*_{t}_*"))) for t in finished}
+
+    # What a worker does for a flow process that vanished; then the same flow run runs again.
+    prefect_client.set_flow_run_state(flow_run.id, Crashed(message="killed by the test"),
+                                      force=True)
+    second = _start_flow_run(stack, flow_run.id, parameters, tmp_path)
+    output, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, output[-3000:]
+    result = json.loads(output.strip().splitlines()[-1])
+
+    assert result["resumed"] is True
+    assert result["experiment_path"] == str(experiment)
+    assert len(result["trials"]) == 3
+    assert set(before) <= {t["trial_id"] for t in result["trials"]}
+    assert {t["status"] for t in result["trials"]} == {"TERMINATED"}
+    assert {t["iterations"] for t in result["trials"]} == {3}
+    for trial_id, lines in finished_lines.items():
+        again = result_lines(next(experiment.glob(f"*_{trial_id}_*")))
+        assert [r["training_iteration"] for r in again] == [1, 2, 3]
+        assert again == lines  # not one iteration of a finished trial was run again
+    assert prefect_client.read_flow_run(flow_run.id).state.is_completed()
+    assert prefect_client.read_artifacts(
+        artifact_filter=ArtifactFilter(key={"any_": ["tune-sweep-best"]}),
+        flow_run_filter=FlowRunFilter(id={"any_": [str(flow_run.id)]}))
+
+
+def test_cancelling_the_flow_run_stops_the_sweep_and_its_trials(stack, tmp_path, prefect_client):
+    parameters = {
+        "sweep": {**TINY, "num_samples": 1, "search_space": {},
+                  "stop": {"training_iterations": 500}},
+        "storage_root": str(tmp_path / "sweeps"),
+        "evaluation_episodes": 1,
+    }
+    flow_run = prefect_client.create_flow_run(tune_sweep, parameters=parameters)
+    experiment = tmp_path / "sweeps" / str(flow_run.id) / "sweep"
+    process = _start_flow_run(stack, flow_run.id, parameters, tmp_path)
+    try:
+        deadline = time.monotonic() + 180
+        while not any(p.stat().st_size for p in experiment.glob("*/result.json")):
+            assert process.poll() is None, process.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the trial never reported"
+            time.sleep(0.5)
+        prefect_client.set_flow_run_state(flow_run.id, Cancelling(message="from the UI"),
+                                          force=True)
+        cancelled_at = time.monotonic()
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert time.monotonic() - cancelled_at < 60
+    assert process.returncode != 0  # run_flow raises CancelledRun
+    assert "was cancelled; its sweep stopped" in output
+    (trial_dir,) = [p.parent for p in experiment.glob("*/result.json")]
+    iterations = len(result_lines(trial_dir))
+    assert 1 <= iterations < 500
+    time.sleep(3)
+    assert len(result_lines(trial_dir)) == iterations  # nothing trains on after the flow ended
+    assert prefect_client.read_flow_run(flow_run.id).state.is_cancelled()
