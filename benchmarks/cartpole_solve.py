@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=10, help="evaluation episodes")
     args = parser.parse_args(argv)
 
+    from benchmarks._prefect import prefect_api
     from blocks import RayCluster
-    from deployments import local
     from flows.tune_sweep import tune_sweep
     from tasks.tune import SweepConfig
 
@@ -38,15 +38,8 @@ def main(argv: list[str] | None = None) -> int:
                         stop={"episode_return": TARGET_RETURN,
                               "sweep_seconds": args.max_seconds})
     work = Path(tempfile.mkdtemp(prefix="bench-cartpole-"))
-    (port,) = local.free_ports(1)
-    (prefect,) = local.services(work / "services", {"prefect": port}, ("prefect",))
     try:
-        outcome = local.start(prefect)
-        assert outcome.startswith("started"), outcome
-        os.environ["PREFECT_API_URL"] = f"{prefect.url}/api"
-        from prefect.settings import PREFECT_API_URL, temporary_settings
-
-        with temporary_settings(updates={PREFECT_API_URL: f"{prefect.url}/api"}):
+        with prefect_api():
             start = time.perf_counter()
             result = tune_sweep(sweep=sweep, ray_cluster=RayCluster(num_cpus=args.num_cpus),
                                 storage_root=str(work / "sweeps"),
@@ -61,7 +54,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"seconds": round(seconds, 1), "env_steps": result.metrics["env_steps"],
                           "eval_return_mean": round(result.evaluation.mean_return, 1)}))
     finally:
-        local.stop(prefect)
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

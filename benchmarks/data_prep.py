@@ -85,44 +85,36 @@ def main(argv: list[str] | None = None) -> int:
                         help="raw/flow pairs, order alternating; the medians are reported")
     args = parser.parse_args(argv)
 
-    from deployments import local
+    from benchmarks._prefect import prefect_api
 
     work = Path(tempfile.mkdtemp(prefix="bench-data-prep-"))
-    (port,) = local.free_ports(1)
-    (prefect,) = local.services(work / "services", {"prefect": port}, ("prefect",))
     try:
-        outcome = local.start(prefect)
-        assert outcome.startswith("started"), outcome
-        os.environ["PREFECT_API_URL"] = f"{prefect.url}/api"
-        from prefect.settings import PREFECT_API_URL, temporary_settings
-
         generate(work / "source", args.rows, args.files)
         raw_times, flow_times = [], []
-        for i in range(args.repeats):
-            for kind in (("raw", "flow") if i % 2 == 0 else ("flow", "raw")):
-                if kind == "raw":
-                    raw_times.append(run_raw(work / "source", work / f"raw-out-{i}",
-                                             args.num_cpus))
-                    raw_rows = pq.read_table(work / f"raw-out-{i}", columns=["id"]).num_rows
-                    assert raw_rows == args.rows, (raw_rows, args.rows)
-                    continue
-                # A fresh output each time: the same output would be a cache hit.
-                with temporary_settings(updates={PREFECT_API_URL: f"{prefect.url}/api"}):
+        with prefect_api():
+            for i in range(args.repeats):
+                for kind in (("raw", "flow") if i % 2 == 0 else ("flow", "raw")):
+                    if kind == "raw":
+                        raw_times.append(run_raw(work / "source", work / f"raw-out-{i}",
+                                                 args.num_cpus))
+                        raw_rows = pq.read_table(work / f"raw-out-{i}", columns=["id"]).num_rows
+                        assert raw_rows == args.rows, (raw_rows, args.rows)
+                        continue
+                    # A fresh output each time: the same output would be a cache hit.
                     flow_s, result = run_flow(work / "source", work / f"flow-out-{i}",
                                               args.num_cpus)
-                flow_times.append(flow_s)
-                flow_rows = result["rows_train"] + result["rows_eval"]
-                assert flow_rows == args.rows and not result["cache_hit"], result
+                    flow_times.append(flow_s)
+                    flow_rows = result["rows_train"] + result["rows_eval"]
+                    assert flow_rows == args.rows and not result["cache_hit"], result
+            from prefect.logging.handlers import APILogWorker
+
+            APILogWorker.drain_all(timeout=5)  # before the server goes: its last logs go there
         raw_s, flow_s = statistics.median(raw_times), statistics.median(flow_times)
         print(f"raw_s: {raw_times} flow_s: {flow_times}", file=sys.stderr)
         print(json.dumps({"rows": args.rows, "raw_s": round(raw_s, 2),
                           "flow_s": round(flow_s, 2), "ratio": round(flow_s / raw_s, 3),
                           "rows_per_s": round(args.rows / flow_s)}))
     finally:
-        from prefect.logging.handlers import APILogWorker
-
-        APILogWorker.drain_all(timeout=5)  # before the server goes: its last logs go there
-        local.stop(prefect)
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -10,44 +10,20 @@ make stock prefect-ray start a server in every Ray worker, which is not what is 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
-from deployments import local
+from benchmarks._prefect import prefect_api
 
 WARMUP_TASKS = 8
-
-
-@contextlib.contextmanager
-def prefect_api():
-    if os.environ.get("PREFECT_API_URL"):
-        yield os.environ["PREFECT_API_URL"]
-        return
-    state_dir = Path(tempfile.mkdtemp(prefix="bench-"))
-    (port,) = local.free_ports(1)
-    (service,) = local.services(state_dir, {"prefect": port}, ("prefect",))
-    local.start(service)
-    try:
-        yield f"{service.url}/api"
-    finally:
-        local.stop(service)
-        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tasks", type=int, default=200)
     args = parser.parse_args()
-    with prefect_api() as api_url:
-        from prefect.settings import PREFECT_API_URL, temporary_settings
-
-        with temporary_settings(updates={PREFECT_API_URL: api_url}):
-            print(json.dumps(run(args.tasks)))
+    with prefect_api():
+        print(json.dumps(run(args.tasks)))
 
 
 def run(tasks: int) -> dict:

@@ -96,24 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     # Import what both sides use before any timing: neither pays the other's imports.
     import flows.tune_sweep  # noqa: F401
     import workloads.rllib  # noqa: F401
-    from deployments import local
+    from benchmarks._prefect import prefect_api
 
     work = Path(tempfile.mkdtemp(prefix="bench-tune-"))
-    (port,) = local.free_ports(1)
-    (prefect,) = local.services(work / "services", {"prefect": port}, ("prefect",))
     try:
-        outcome = local.start(prefect)
-        assert outcome.startswith("started"), outcome
-        os.environ["PREFECT_API_URL"] = f"{prefect.url}/api"
-        from prefect.settings import PREFECT_API_URL, temporary_settings
-
         # Sweep for the pair raw, flow, flow, raw, ...: drift in machine load (a shared CI
         # box) falls on both sides alike. Each side reports its mean.
         sides = ["raw", "flow"] + (["raw_block"] if args.raw_via_block else [])
         times: dict[str, list[float]] = {side: [] for side in sides}
         runs = {"raw": run_raw, "flow": run_flow,
                 "raw_block": lambda *a: run_raw(*a, via_block=True)}
-        with temporary_settings(updates={PREFECT_API_URL: f"{prefect.url}/api"}):
+        with prefect_api():
             for repeat in range(args.repeats):
                 for side in (sides if repeat % 2 == 0 else sides[::-1]):
                     times[side].append(runs[side](work / f"{side}-{repeat}", args.num_cpus,
@@ -126,7 +119,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"raw_s": round(raw_s, 2), "flow_s": round(flow_s, 2),
                           "ratio": round(flow_s / raw_s, 3)}))
     finally:
-        local.stop(prefect)
         shutil.rmtree(work, ignore_errors=True)
     return 0
 
