@@ -215,3 +215,65 @@ def test_ray_resources_timeouts_and_logs_on_the_task_itself(stack, prefect_clien
 def test_an_unknown_ray_option_is_rejected():
     with pytest.raises(ValueError, match="num_cpu"):
         ray_options(num_cpu=1)
+
+
+SLEEPER_FLOW = '''
+import os, sys, time
+from prefect import flow, task
+from blocks import RayCluster
+
+@task
+def sleeper(marker_dir: str, index: int) -> None:
+    with open(os.path.join(marker_dir, f"{index}.pid"), "w") as out:
+        out.write(str(os.getpid()))
+    time.sleep(600)
+
+@flow
+def sleepers(marker_dir: str):
+    futures = [sleeper.submit(marker_dir, i) for i in range(2)]
+    for future in futures:
+        future.wait()
+
+if __name__ == "__main__":
+    runner = RayCluster(address=sys.argv[1]).task_runner()
+    sleepers.with_options(task_runner=runner)(sys.argv[2])
+'''
+
+
+def test_stopping_the_flow_process_stops_its_ray_tasks(stack, tmp_path):
+    """What a cancelled deployment run does to the flow process (SIGTERM): none of its Ray
+    tasks may keep running on the cluster."""
+    import signal
+    import subprocess
+
+    script = tmp_path / "sleepers.py"
+    script.write_text(SLEEPER_FLOW)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    process = subprocess.Popen([sys.executable, str(script), stack.ray_address, str(markers)],
+                               cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(markers.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+            assert process.poll() is None, "the flow ended before its tasks started"
+            time.sleep(0.5)
+        pids = [int(path.read_text()) for path in markers.glob("*.pid")]
+        assert len(pids) == 2
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+        def running(pid: int) -> bool:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                return False
+            return state != "Z"
+
+        deadline = time.monotonic() + 30
+        while any(map(running, pids)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not any(map(running, pids)), "Ray tasks outlived their flow process"
+    finally:
+        if process.poll() is None:
+            process.kill()
