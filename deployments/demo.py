@@ -1,8 +1,10 @@
 """`make demo`: start the local services, run the end-to-end slice that exists, say where to look.
 
-Until the pipeline (train -> register -> roll out) lands, the slice is the foundation's: the
-RayCluster block types registered in Prefect, and `ray-smoke` fanning 20 Prefect tasks out on
-an embedded Ray, every task run recorded in the local Prefect server.
+Until the pipeline (train -> register -> roll out) lands, the slice is: the block types
+registered in Prefect; `ray-smoke` fanning 20 Prefect tasks out on an embedded Ray; a small
+PPO sweep on CartPole; its best trial registered in MLflow and promoted to `champion` if it
+beats the current one; and a prediction from `models:/cartpole-ppo@champion` in a fresh process.
+A second `make demo` reuses the running services and trains a new challenger.
 """
 
 from __future__ import annotations
@@ -16,6 +18,13 @@ from pathlib import Path
 from deployments import local
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PREDICT = """
+import json, numpy as np, mlflow, gymnasium as gym
+model = mlflow.pyfunc.load_model("models:/cartpole-ppo@champion")
+env = gym.make("CartPole-v1")
+obs = np.stack([env.reset(seed=s)[0] for s in range(4)]).astype("float32")
+print(json.dumps(np.asarray(model.predict(obs)).tolist()))
+"""
 
 
 def main() -> int:
@@ -37,17 +46,42 @@ def main() -> int:
         return run.returncode
     report = json.loads(run.stdout.strip().splitlines()[-1])
 
-    prefect_url = next(s.url for s in services if s.name == "prefect")
+    print("== running flows tune-sweep and register-and-promote: PPO on CartPole (a few minutes)")
     mlflow_url = next(s.url for s in services if s.name == "mlflow")
+    lifecycle = subprocess.run([python, "-m", "deployments.demo_run",
+                                str(local.DEFAULT_STATE_DIR), mlflow_url],
+                               env=env, cwd=PROJECT_ROOT, capture_output=True, text=True)
+    if lifecycle.returncode != 0:
+        print(lifecycle.stdout[-4000:], lifecycle.stderr[-4000:], sep="\n", file=sys.stderr)
+        return lifecycle.returncode
+    registered = json.loads(lifecycle.stdout.strip().splitlines()[-1])
+
+    print("== asking models:/cartpole-ppo@champion for actions, in a fresh process")
+    predict = subprocess.run([python, "-c", PREDICT], env=env, cwd=PROJECT_ROOT,
+                             capture_output=True, text=True)
+    if predict.returncode != 0:
+        print(predict.stderr[-4000:], file=sys.stderr)
+        return predict.returncode
+    actions = predict.stdout.strip().splitlines()[-1]
+
+    prefect_url = next(s.url for s in services if s.name == "prefect")
+    verdict = "promoted to champion" if registered["promoted"] else "kept as challenger"
+    version_url = (f"{mlflow_url}/#/models/{registered['model_name']}/versions/"
+                   f"{registered['version']}")
     print(f"""
 == done: {report['tasks']} task runs completed on Ray in {len(report['worker_pids'])} worker \
 processes, all recorded in the local Prefect server ({report['temporary_servers']} temporary \
 servers started by workers).
+   Sweep: {registered['trials']} trials; best checkpoint scores \
+{registered['eval_return_mean']:.1f} on held-out episodes.
+   MLflow: {registered['model_name']} v{registered['version']} \
+({'new' if registered['created'] else 'already registered'}), {verdict}: {registered['reason']}
+   models:/{registered['model_name']}@champion answers 4 CartPole observations with {actions}
 
 Where to look:
-  Prefect flow run   {report['flow_run_url']}
-  Prefect UI         {prefect_url}
-  MLflow UI          {mlflow_url}   (models appear once the registration flow lands)
+  Prefect flow runs  {prefect_url}/runs
+  ray-smoke run      {report['flow_run_url']}
+  MLflow model       {version_url}
   Ray dashboard      the embedded Ray lives only for its flow run; run `python -m
                      deployments.local up --ray` for a lasting head at http://127.0.0.1:8265
 Stop the services: python -m deployments.local down

@@ -71,6 +71,7 @@ def ray_smoke(
         ray_cluster: Where to run; an embedded local Ray when empty.
     """
     from prefect.runtime import flow_run
+    from prefect.utilities.urls import url_for
 
     cluster = ray_cluster or RayCluster()
     run_id, probes = fan_out.with_options(task_runner=cluster.task_runner())(tasks)
@@ -81,7 +82,7 @@ def ray_smoke(
         temporary_servers=sum(p.temporary_server for p in probes),
         workloads_paths=sorted({p.workloads_path for p in probes}),
         fan_out_flow_run_id=str(run_id),
-        flow_run_url=flow_run.ui_url,
+        flow_run_url=url_for("flow-run", obj_id=flow_run.id),
     )
     create_markdown_artifact(
         key="ray-smoke",

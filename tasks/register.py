@@ -12,6 +12,7 @@ import requests
 from mlflow.exceptions import MlflowException
 from prefect import get_run_logger, task
 from prefect.runtime import flow_run, task_run
+from prefect.utilities.urls import url_for
 from pydantic import BaseModel, Field
 
 from blocks import MLflowServer
@@ -71,7 +72,9 @@ def lineage_tags(experiment_path: str, trial_id: str, protocol: EvalProtocol,
                  dataset_fingerprint: str | None) -> dict[str, str]:
     tags = {
         f"{registry.TAG}.prefect.flow_run_id": str(flow_run.id or ""),
-        f"{registry.TAG}.prefect.flow_run_url": str(flow_run.ui_url or ""),
+        # Prefect's runtime ui_url points at /flow-runs/..., a path the OSS UI does not route.
+        f"{registry.TAG}.prefect.flow_run_url": str(url_for("flow-run", obj_id=flow_run.id)
+                                                    or ""),
         f"{registry.TAG}.prefect.task_run_id": str(task_run.id or ""),
         f"{registry.TAG}.tune.experiment_path": experiment_path,
         f"{registry.TAG}.tune.trial_id": trial_id,
