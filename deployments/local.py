@@ -270,15 +270,22 @@ def stop(service: Service, timeout: float = STOP_TIMEOUT_S) -> str:
     return f"stopped (pid {pid})"
 
 
+def process_running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
 def _group_alive(pgid: int) -> bool:
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            if os.getpgid(int(proc.name)) == pgid:
-                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    return True
+            if os.getpgid(int(proc.name)) == pgid and process_running(int(proc.name)):
+                return True
         except (OSError, ProcessLookupError):
             continue
     return False

@@ -18,14 +18,6 @@ def _cli(state_dir: Path, *args: str, ports: tuple[int, int]) -> subprocess.Comp
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_up_twice_status_down_leaves_nothing_running(tmp_path):
     ports = tuple(local.free_ports(2))
     first = _cli(tmp_path, "up", ports=ports)
@@ -49,7 +41,7 @@ def test_up_twice_status_down_leaves_nothing_running(tmp_path):
 
     down = _cli(tmp_path, "down", ports=ports)
     assert down.returncode == 0 and down.stdout.count("stopped") == 2
-    assert not any(_alive(int(pid)) for pid in children)
+    assert not any(local.process_running(int(pid)) for pid in children)
     assert not list((tmp_path / "pids").glob("*.json"))
 
     after = _cli(tmp_path, "status", ports=ports)

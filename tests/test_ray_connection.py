@@ -16,6 +16,7 @@ from prefect.states import StateType
 
 from blocks import RayCluster
 from blocks.ray_runner import ray_options
+from deployments import local
 from flows.ray_smoke import ray_smoke
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -263,17 +264,10 @@ def test_stopping_the_flow_process_stops_its_ray_tasks(stack, tmp_path):
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
 
-        def running(pid: int) -> bool:
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                return False
-            return state != "Z"
-
         deadline = time.monotonic() + 30
-        while any(map(running, pids)) and time.monotonic() < deadline:
+        while any(map(local.process_running, pids)) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not any(map(running, pids)), "Ray tasks outlived their flow process"
+        assert not any(map(local.process_running, pids)), "Ray tasks outlived their flow process"
     finally:
         if process.poll() is None:
             process.kill()
