@@ -15,7 +15,6 @@ import pytest
 
 from deployments import local
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Logical CPUs of the shared test head: trials and tasks are tiny, so the 2-core CI machine
 # is oversubscribed on purpose rather than queueing every test behind one another.
 RAY_HEAD_CPUS = 4
@@ -96,3 +95,23 @@ def prefect_client(stack: Stack):
 
     with get_client(sync_client=True) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def task_runs(prefect_client):
+    """Read a flow run's task runs, polling briefly until `ready(runs)` holds: Prefect records
+    task runs from events, so the last states land a moment after the flow returns."""
+    import time
+
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    def read(flow_run_id, ready=lambda runs: True, timeout: float = 20.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            runs = prefect_client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
+            if ready(runs) or time.monotonic() > deadline:
+                return runs
+            time.sleep(0.5)
+
+    return read

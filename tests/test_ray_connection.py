@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 from prefect import flow, task
-from prefect.client.schemas.filters import FlowRunFilter
 from prefect.states import StateType
 
 from blocks import RayCluster
@@ -22,14 +21,14 @@ from flows.ray_smoke import ray_smoke
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_twenty_tasks_on_the_head_are_recorded_under_their_flow_run(stack, prefect_client):
+def test_twenty_tasks_on_the_head_are_recorded_under_their_flow_run(stack, task_runs):
     report = ray_smoke(tasks=20, ray_cluster=stack.ray_cluster())
 
-    task_runs = prefect_client.read_task_runs(
-        flow_run_filter=FlowRunFilter(id={"any_": [report.fan_out_flow_run_id]}))
-    assert len(task_runs) == 20
-    assert {run.state.type for run in task_runs} == {StateType.COMPLETED}
-    assert {run.name.split("-")[0] for run in task_runs} == {"probe"}
+    runs = task_runs(report.fan_out_flow_run_id, lambda runs: len(runs) == 20 and all(
+        run.state.is_completed() for run in runs))
+    assert len(runs) == 20
+    assert {run.state.type for run in runs} == {StateType.COMPLETED}
+    assert {run.name.split("-")[0] for run in runs} == {"probe"}
     # Every worker recorded in this server, and none started a temporary one.
     assert report.prefect_api_urls == [stack.prefect_api_url]
     assert report.temporary_servers == 0
@@ -75,18 +74,7 @@ def dying_flow(marker: str, survive_after: int):
     return record_then_die.submit(marker, survive_after).result()
 
 
-def _task_runs(prefect_client, flow_run_id, wait_for):
-    """Task runs land through events: poll briefly until `wait_for(runs)` holds."""
-    deadline = time.monotonic() + 20
-    while True:
-        runs = prefect_client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
-        if wait_for(runs) or time.monotonic() > deadline:
-            return runs
-        time.sleep(0.5)
-
-
-def test_a_crashed_worker_is_retried_as_a_recorded_attempt(stack, tmp_path, prefect_client):
+def test_a_crashed_worker_is_retried_as_a_recorded_attempt(stack, tmp_path, task_runs):
     marker = tmp_path / "runs.txt"
     runner = stack.ray_cluster().task_runner(crash_retries=2, crash_backoff_s=0.1)
     state = dying_flow.with_options(task_runner=runner)(str(marker), 1, return_state=True)
@@ -95,13 +83,13 @@ def test_a_crashed_worker_is_retried_as_a_recorded_attempt(stack, tmp_path, pref
     assert state.result() == 2
     # The body ran once per attempt, and Prefect knows of both attempts.
     assert marker.read_text().splitlines() == ["ran", "ran"]
-    (task_run,) = _task_runs(prefect_client, state.state_details.flow_run_id,
+    (task_run,) = task_runs(state.state_details.flow_run_id,
                              lambda runs: runs and runs[0].state.is_completed())
     assert task_run.state.is_completed() and task_run.run_count == 2
 
 
 def test_crash_retries_exhausted_end_crashed_without_hidden_reruns(
-        stack, tmp_path, prefect_client):
+        stack, tmp_path, task_runs):
     marker = tmp_path / "runs.txt"
     runner = stack.ray_cluster().task_runner(crash_retries=1, crash_backoff_s=0.1)
     state = dying_flow.with_options(task_runner=runner)(str(marker), 99, return_state=True)
@@ -109,7 +97,7 @@ def test_crash_retries_exhausted_end_crashed_without_hidden_reruns(
     assert not state.is_completed()
     # One run plus one crash retry; Ray's own default would have run it four times.
     assert marker.read_text().splitlines() == ["ran", "ran"]
-    (task_run,) = _task_runs(prefect_client, state.state_details.flow_run_id,
+    (task_run,) = task_runs(state.state_details.flow_run_id,
                              lambda runs: runs and runs[0].state.is_crashed())
     assert task_run.state.is_crashed()
 
@@ -187,7 +175,8 @@ def execution_flow(word: str):
     return resources, slow.state
 
 
-def test_ray_resources_timeouts_and_logs_on_the_task_itself(stack, prefect_client):
+def test_ray_resources_timeouts_and_logs_on_the_task_itself(stack, prefect_client,
+                                                         task_runs):
     from prefect.client.schemas.filters import LogFilter
 
     word = f"w{time.monotonic_ns()}"
@@ -200,7 +189,7 @@ def test_ray_resources_timeouts_and_logs_on_the_task_itself(stack, prefect_clien
     assert slow_state.is_failed() and slow_state.name == "TimedOut"
     assert time.monotonic() - started < 45
     # What the task logged and printed inside its Ray worker sits under its own task run.
-    runs = _task_runs(prefect_client, state.state_details.flow_run_id,
+    runs = task_runs(state.state_details.flow_run_id,
                       lambda runs: any(r.name.startswith("chatty") for r in runs))
     (chatty_run,) = [r for r in runs if r.name.startswith("chatty")]
     deadline = time.monotonic() + 20

@@ -12,7 +12,6 @@ import uuid
 
 import pytest
 from mlflow import MlflowClient
-from prefect.client.schemas.filters import FlowRunFilter
 from pydantic import ValidationError
 
 from blocks import MLflowServer
@@ -174,7 +173,7 @@ def test_bad_inputs_register_nothing(checkpoints, server, model_name, stack, tmp
 
 
 def test_an_mlflow_outage_during_registration_is_retried_to_exactly_one_version(
-        checkpoints, model_name, prefect_client, tmp_path):
+        checkpoints, model_name, task_runs, tmp_path):
     """A server of its own, stopped for a few seconds while the flow registers."""
     (port,) = local.free_ports(1)
     (service,) = local.services(tmp_path / "mlflow-outage", {"mlflow": port}, ("mlflow",))
@@ -194,17 +193,9 @@ def test_an_mlflow_outage_during_registration_is_retried_to_exactly_one_version(
         assert time.monotonic() - started > 4.0
         assert result.created and result.version == "1"
         assert len(versions(MlflowClient(service.url), model_name)) == 1
-        # Prefect records task runs from events: give the last ones a moment to land.
-        deadline = time.monotonic() + 20
-        while True:
-            task_runs = prefect_client.read_task_runs(flow_run_filter=FlowRunFilter(
-                id={"any_": [state.state_details.flow_run_id]}))
-            register_runs = [t for t in task_runs if t.name.startswith("register")]
-            if (register_runs and register_runs[0].state.is_completed()) or \
-                    time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        (register_run,) = register_runs
+        runs = task_runs(state.state_details.flow_run_id, lambda runs: any(
+            t.name.startswith("register") and t.state.is_completed() for t in runs))
+        (register_run,) = [t for t in runs if t.name.startswith("register")]
         assert register_run.state.is_completed() and register_run.run_count > 1
     finally:
         local.stop(service)

@@ -236,17 +236,19 @@ def _recorded_statuses(experiment: Path) -> dict[str, str]:
     return statuses
 
 
+def _sweep_flow_run(prefect_client, tmp_path, **sweep):
+    """A tune-sweep flow run created in the API, its parameters, and where its sweep lives."""
+    parameters = {"sweep": {**TINY, **sweep}, "storage_root": str(tmp_path / "sweeps"),
+                  "evaluation_episodes": 1}
+    flow_run = prefect_client.create_flow_run(tune_sweep, parameters=parameters)
+    return flow_run, parameters, tmp_path / "sweeps" / str(flow_run.id) / "sweep"
+
+
 def test_a_killed_flow_run_resumes_its_sweep_without_redoing_finished_trials(
         stack, tmp_path, prefect_client):
-    parameters = {
-        "sweep": {**TINY, "search_space": {"lr": {"grid": [1e-4, 3e-4, 1e-3]}},
-                  "num_samples": 1, "max_concurrent_trials": 1,
-                  "stop": {"training_iterations": 3}},
-        "storage_root": str(tmp_path / "sweeps"),
-        "evaluation_episodes": 1,
-    }
-    flow_run = prefect_client.create_flow_run(tune_sweep, parameters=parameters)
-    experiment = tmp_path / "sweeps" / str(flow_run.id) / "sweep"
+    flow_run, parameters, experiment = _sweep_flow_run(
+        prefect_client, tmp_path, search_space={"lr": {"grid": [1e-4, 3e-4, 1e-3]}},
+        num_samples=1, max_concurrent_trials=1, stop={"training_iterations": 3})
 
     first = _start_flow_run(stack, flow_run.id, parameters, tmp_path)
     try:
@@ -288,14 +290,9 @@ def test_a_killed_flow_run_resumes_its_sweep_without_redoing_finished_trials(
 
 
 def test_cancelling_the_flow_run_stops_the_sweep_and_its_trials(stack, tmp_path, prefect_client):
-    parameters = {
-        "sweep": {**TINY, "num_samples": 1, "search_space": {},
-                  "stop": {"training_iterations": 500}},
-        "storage_root": str(tmp_path / "sweeps"),
-        "evaluation_episodes": 1,
-    }
-    flow_run = prefect_client.create_flow_run(tune_sweep, parameters=parameters)
-    experiment = tmp_path / "sweeps" / str(flow_run.id) / "sweep"
+    flow_run, parameters, experiment = _sweep_flow_run(
+        prefect_client, tmp_path, num_samples=1, search_space={},
+        stop={"training_iterations": 500})
     process = _start_flow_run(stack, flow_run.id, parameters, tmp_path)
     try:
         deadline = time.monotonic() + 180
