@@ -103,6 +103,18 @@ class RayCluster(Block):
                      "when empty."),
     )
 
+    serve_host: str = Field(
+        default=LOCAL_HOST,
+        description=("Host the Serve HTTP proxy binds when this project starts Serve "
+                     "(loopback by default)."),
+    )
+    serve_port: int = Field(
+        default=8000,
+        ge=1,
+        le=65535,
+        description="Port of the Serve HTTP proxy; routes are served at http://host:port/<route>.",
+    )
+
     @field_validator("address")
     @classmethod
     def _check_address(cls, value: str) -> str:
@@ -119,6 +131,11 @@ class RayCluster(Block):
         if not isinstance(py_modules, list):
             raise ValueError(f"runtime_env.py_modules must be a list, got {py_modules!r}")
         return value
+
+    @property
+    def serve_url(self) -> str:
+        host = LOCAL_HOST if self.serve_host in ("0.0.0.0", "::") else self.serve_host
+        return f"http://{host}:{self.serve_port}"
 
     @property
     def is_embedded(self) -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from deployments import local
+from workloads.rllib import module_path
 
 # Logical CPUs of the shared test head: trials and tasks are tiny, so the 2-core CI machine
 # is oversubscribed on purpose rather than queueing every test behind one another.
@@ -29,10 +30,12 @@ class Stack:
     ray_dashboard_url: str
     ray_temp_dir: Path
     ray_token: str
+    serve_port: int
 
     def ray_cluster(self, **fields):
         from blocks import RayCluster
 
+        fields.setdefault("serve_port", self.serve_port)
         return RayCluster(address=self.ray_address, auth_token=self.ray_token, **fields)
 
 
@@ -40,7 +43,7 @@ class Stack:
 def stack() -> Stack:
     # Short path: Ray's unix sockets live under its temp dir and must stay under 107 bytes.
     state_dir = Path(tempfile.mkdtemp(prefix="rlt-", dir="/tmp"))
-    prefect_port, mlflow_port = local.free_ports(2)
+    prefect_port, mlflow_port, serve_port = local.free_ports(3)
     (ray_port,) = local.free_ports(1, spacing=local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"])
     services = local.services(
         state_dir, {"prefect": prefect_port, "mlflow": mlflow_port, "ray": ray_port},
@@ -59,6 +62,7 @@ def stack() -> Stack:
             ray_dashboard_url=f"http://{local.HOST}:{ray_service.dashboard_port}",
             ray_temp_dir=state_dir / "ray",
             ray_token=ray_service.ray_token(),
+            serve_port=serve_port,
         )
     finally:
         for service in reversed(services):
@@ -115,3 +119,36 @@ def task_runs(prefect_client):
             time.sleep(0.5)
 
     return read
+
+
+@pytest.fixture(scope="session")
+def checkpoints(stack, tmp_path_factory):
+    """A PPO policy trained a little on CartPole ('good'), and the same policy with its action
+    head forced to always push left ('bad', return about 9)."""
+    import torch
+    from ray.rllib.algorithms.ppo import PPOConfig
+    from ray.rllib.core.rl_module.rl_module import RLModule
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    config = (PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0)
+              .training(train_batch_size_per_learner=1000, minibatch_size=128, num_epochs=6,
+                        lr=1e-3)
+              .debugging(seed=0))
+    with stack.ray_cluster().connect():
+        algo = config.build_algo()
+        try:
+            for _ in range(8):
+                algo.train()
+            good = algo.save(str(root / "good")).checkpoint.path
+        finally:
+            algo.stop()
+    bad = shutil.copytree(good, root / "bad")
+    module = RLModule.from_checkpoint(module_path(bad))
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            if "pi" in name:
+                parameter.zero_()
+                if name.endswith("bias"):
+                    parameter[0] = 10.0
+    module.save_to_path(module_path(bad))
+    return {"good": str(good), "bad": str(bad)}

@@ -23,39 +23,6 @@ from workloads.rllib import module_path
 EPISODES = 5
 
 
-@pytest.fixture(scope="module")
-def checkpoints(stack, tmp_path_factory):
-    """A PPO policy trained a little on CartPole ('good'), and the same policy with its action
-    head forced to always push left ('bad', return about 9)."""
-    import torch
-    from ray.rllib.algorithms.ppo import PPOConfig
-    from ray.rllib.core.rl_module.rl_module import RLModule
-
-    root = tmp_path_factory.mktemp("checkpoints")
-    config = (PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0)
-              .training(train_batch_size_per_learner=1000, minibatch_size=128, num_epochs=6,
-                        lr=1e-3)
-              .debugging(seed=0))
-    with stack.ray_cluster().connect():
-        algo = config.build_algo()
-        try:
-            for _ in range(8):
-                algo.train()
-            good = algo.save(str(root / "good")).checkpoint.path
-        finally:
-            algo.stop()
-    bad = shutil.copytree(good, root / "bad")
-    module = RLModule.from_checkpoint(module_path(bad))
-    with torch.no_grad():
-        for name, parameter in module.named_parameters():
-            if "pi" in name:
-                parameter.zero_()
-                if name.endswith("bias"):
-                    parameter[0] = 10.0
-    module.save_to_path(module_path(bad))
-    return {"good": str(good), "bad": str(bad)}
-
-
 def request(model: str, checkpoint: str, trial: str, **fields) -> RegistrationRequest:
     return RegistrationRequest(model_name=model, checkpoint=checkpoint,
                                experiment_path="/tmp/experiments/sweep-a", trial_id=trial,
