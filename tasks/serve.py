@@ -171,7 +171,7 @@ def current_router(route: str) -> RouterConfig | None:
 
 
 def write_router(route: str, config: RouterConfig, runtime_env: dict[str, Any],
-                 serving: Serving, wait_s: float = 30.0, inline_version: str | None = None,
+                 serving: Serving, wait_s: float = 60.0, inline_version: str | None = None,
                  ) -> RouterConfig:
     """Apply a router config (validated first; a new generation) and wait until the router
     answers with it. Only user_config changes, so running replicas reconfigure in place."""
@@ -287,7 +287,7 @@ def swap(route: str, candidate: Target, gates: Gates, runtime_env: dict[str, Any
     started = time.time()
     config = write_router(route, RouterConfig(live=candidate, inline_live=inline,
                                               timeout_s=gates.request_timeout_s),
-                          runtime_env, serving, wait_s=120 if inline else 30,
+                          runtime_env, serving, wait_s=120 if inline else 60,
                           inline_version=candidate.version if inline else None)
     return {"generation": config.generation, "seconds": round(time.time() - started, 2),
             "at": started}

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from deployments import local
+from deployments.stack import Stack, temporary_stack
 from workloads.rllib import module_path
 
 # Logical CPUs of the shared test head: trials and tasks are tiny, so the 2-core CI machine
@@ -21,53 +17,10 @@ from workloads.rllib import module_path
 RAY_HEAD_CPUS = 4
 
 
-@dataclass(frozen=True)
-class Stack:
-    state_dir: Path
-    prefect_api_url: str
-    mlflow_uri: str
-    ray_address: str
-    ray_dashboard_url: str
-    ray_temp_dir: Path
-    ray_token: str
-    serve_port: int
-
-    def ray_cluster(self, **fields):
-        from blocks import RayCluster
-
-        fields.setdefault("serve_port", self.serve_port)
-        return RayCluster(address=self.ray_address, auth_token=self.ray_token, **fields)
-
-
 @pytest.fixture(scope="session")
 def stack() -> Stack:
-    # Short path: Ray's unix sockets live under its temp dir and must stay under 107 bytes.
-    state_dir = Path(tempfile.mkdtemp(prefix="rlt-", dir="/tmp"))
-    prefect_port, mlflow_port, serve_port = local.free_ports(3)
-    (ray_port,) = local.free_ports(1, spacing=local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"])
-    services = local.services(
-        state_dir, {"prefect": prefect_port, "mlflow": mlflow_port, "ray": ray_port},
-        ("prefect", "mlflow", "ray"), ray_num_cpus=RAY_HEAD_CPUS)
-    try:
-        with ThreadPoolExecutor(len(services)) as pool:
-            for outcome in pool.map(local.start, services):
-                assert outcome.startswith("started"), outcome
-        by_name = {s.name: s for s in services}
-        ray_service = by_name["ray"]
-        yield Stack(
-            state_dir=state_dir,
-            prefect_api_url=f"{by_name['prefect'].url}/api",
-            mlflow_uri=by_name["mlflow"].url,
-            ray_address=ray_service.url,
-            ray_dashboard_url=f"http://{local.HOST}:{ray_service.dashboard_port}",
-            ray_temp_dir=state_dir / "ray",
-            ray_token=ray_service.ray_token(),
-            serve_port=serve_port,
-        )
-    finally:
-        for service in reversed(services):
-            local.stop(service)
-        shutil.rmtree(state_dir, ignore_errors=True)
+    with temporary_stack(RAY_HEAD_CPUS) as services:
+        yield services
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -12,6 +12,7 @@ import uuid
 import numpy as np
 import pytest
 from mlflow import MlflowClient
+from prefect.concurrency.sync import concurrency
 
 from blocks import MLflowServer
 from flows.reconcile import reconcile
@@ -120,6 +121,20 @@ def verdict(serving, version) -> dict[str, str]:
     return {k.removeprefix(prefix): v for k, v in tags.items() if k.startswith(prefix)}
 
 
+def rollout_events(prefect_client, serving, version, outcome) -> list:
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    flt = EventFilter(
+        event=EventNameFilter(name=[f"ray-lifecycle.rollout.{outcome}"]),
+        resource=EventResourceFilter(id=[f"mlflow.model-version.{serving['name']}.{version}"]))
+    deadline = time.monotonic() + 20
+    while True:  # events reach the API asynchronously
+        events = prefect_client.read_events(filter=flt, limit=50).events
+        if events or time.monotonic() > deadline:
+            return events
+        time.sleep(0.5)
+
+
 def test_first_rollout_then_a_good_candidate_swaps_with_zero_failed_requests(serving):
     first = rollout(serving, 1)
     assert first.outcome == "first_rollout"
@@ -137,15 +152,18 @@ def test_first_rollout_then_a_good_candidate_swaps_with_zero_failed_requests(ser
     stages = [e["stage"] for e in result.timeline]
     assert stages == ["health", "smoke", "canary 30%", "swap", "bake", "retire"]
     # After the bake the router hosts v2 in process and v1's app is gone.
-    status = sc.router_status(ROUTE, samples=1)[0]
-    assert status["inline_version"] == "2"
+    connection = http.client.HTTPConnection("127.0.0.1", serving["port"], timeout=30)
+    connection.request("GET", f"/{ROUTE}/-/status")
+    status = json.loads(connection.getresponse().read())
+    assert status["inline_version"] == "2" and status["config"]["live"]["version"] == "2"
     assert not sc.app_exists(sc.version_app_name(serving["name"], "1"))
     assert verdict(serving, 2)["verdict"] == "promoted"
     history = registry.alias_history(serving["client"], serving["name"], registry.LIVE)
     assert [h["version"] for h in history] == ["1", "2"]
 
 
-def test_a_candidate_whose_health_check_fails_is_rejected_without_a_failed_request(serving):
+def test_a_candidate_whose_health_check_fails_is_rejected_without_a_failed_request(
+        serving, prefect_client):
     assert live_version(serving) == "2"
     # Healthy at first, failing two seconds later: one look at RUNNING would pass it.
     drill = Drill(faults={"fail_health_after_s": 2})
@@ -158,6 +176,8 @@ def test_a_candidate_whose_health_check_fails_is_rejected_without_a_failed_reque
     tags = verdict(serving, 3)
     assert (tags["verdict"], tags["stage"]) == ("rejected", "health")
     assert not sc.app_exists(sc.version_app_name(serving["name"], "3"))
+    (event,) = rollout_events(prefect_client, serving, 3, "rejected")
+    assert event.payload["stage"] == "health" and event.payload["live"] == "2"
 
 
 def test_a_candidate_erroring_on_a_share_is_aborted_at_the_canary(serving):
@@ -182,7 +202,7 @@ def test_a_candidate_erroring_on_a_share_is_aborted_at_the_canary(serving):
     assert "error rate" in tags["reason"]
 
 
-def test_degradation_after_the_swap_is_rolled_back(serving):
+def test_degradation_after_the_swap_is_rolled_back(serving, prefect_client):
     drill = Drill(after_swap={"error_rate": 1.0})
     with Load(serving["port"]) as load:
         with pytest.raises(RolloutFailed, match="rolled back"):
@@ -198,6 +218,7 @@ def test_degradation_after_the_swap_is_rolled_back(serving):
     assert failed[-1][0] - failed[0][0] < 10  # rolled back within seconds
     assert load.results[-1][1:3] == (200, "2")
     assert not sc.app_exists(sc.version_app_name(serving["name"], "5"))
+    assert rollout_events(prefect_client, serving, 5, "rolled-back")
 
 
 @pytest.mark.parametrize("body, content_type, status, message", [
@@ -238,8 +259,16 @@ def test_reconcile_rolls_out_a_manual_champion_and_otherwise_does_nothing(servin
     skipped = reconcile(**common)
     assert skipped.action == "skipped_failed" and live_version(serving) == "2"
     client.set_registered_model_alias(name, registry.CHAMPION, "6")  # a person's promotion
+    outcome = {}
     with Load(serving["port"]) as load:
-        done = reconcile(**common)
+        # Another rollout holds the route: this one waits for it before touching Serve.
+        with concurrency(f"serve-rollout-{ROUTE}", occupy=1):
+            waiting = threading.Thread(target=lambda: outcome.update(done=reconcile(**common)))
+            waiting.start()
+            time.sleep(8)
+            assert not sc.app_exists(sc.version_app_name(name, "6"))
+        waiting.join(timeout=300)
+    done = outcome["done"]
     assert done.action == "rolled_out" and done.rollout.outcome == "promoted"
     assert live_version(serving) == "6"
     assert load.failed() == []

@@ -277,6 +277,8 @@ class Router:
     async def __call__(self, request: Any) -> Any:
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self.stats.run())
+        if request.method == "GET" and request.url.path.rstrip("/").endswith("/-/status"):
+            return to_response(json_response(200, self.status()))
         started = time.perf_counter()
         req = await request_dict(request, self.max_body_bytes)
         rid = request_id(req["headers"])

@@ -215,13 +215,13 @@ def handle(app: str, deployment: str) -> Any:
     return serve.get_deployment_handle(deployment, app)
 
 
-def router_status(route: str, samples: int = 3, timeout_s: float = 10.0) -> list[dict]:
+def router_status(route: str, samples: int = 3, timeout_s: float = 15.0) -> list[dict]:
     """The router replicas' own view of what they serve (a few calls through its handle)."""
     router = handle(router_app_name(route), ROUTER_DEPLOYMENT)
     return [router.status.remote().result(timeout_s=timeout_s) for _ in range(samples)]
 
 
-def wait_router(route: str, generation: int, timeout_s: float = 30.0,
+def wait_router(route: str, generation: int, timeout_s: float = 60.0,
                 inline_version: str | None = None) -> dict[str, Any]:
     """Wait until the router answers with `generation` (and, if given, hosts
     `inline_version` in process); returns its status. Raises ServeGateError on timeout."""

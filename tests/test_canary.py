@@ -1,0 +1,89 @@
+"""Canary judgement and router/fault config validation: the pure parts of a rollout."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from workloads.canary import Judgement, Thresholds, early_failure, judge
+from workloads.router import RouterConfig
+from workloads.serving import Faults, serving_options
+
+LIVE = {"requests": 400, "errors": 0, "p99_ms": 10.0}
+
+
+def figures(requests, errors=0, p99=10.0):
+    return {"requests": requests, "errors": errors, "p99_ms": p99}
+
+
+@pytest.mark.parametrize("candidate, ok, words", [
+    (None, None, "0 request(s)"),
+    (figures(4), None, "fewer than the 5"),
+    (figures(100, errors=2), False, "error rate 2.0% (2 of 100)"),
+    (figures(100, errors=1), True, "error rate 1.0%"),
+    (figures(100, p99=1200.0), False, "above 1000 ms"),
+    (figures(100, p99=81.0), False, "over 3x the live version's 10.0 ms + 50 ms"),
+    (figures(100, p99=79.0), True, "p99 79.0 ms"),
+])
+def test_judge(candidate, ok, words):
+    verdict = judge(candidate, LIVE, Thresholds(max_error_rate=0.01, min_requests=5))
+    assert verdict.ok is ok and words in verdict.reason
+
+
+def test_a_thin_baseline_is_not_compared():
+    verdict = judge(figures(100, p99=500.0), figures(5, p99=1.0), Thresholds())
+    assert verdict == Judgement(True, "100 requests, error rate 0.0%, p99 500.0 ms")
+
+
+def test_early_failure_needs_enough_requests_and_only_counts_errors():
+    thresholds = Thresholds(max_error_rate=0.05)
+    assert early_failure(figures(9, errors=9), thresholds) is None
+    assert early_failure(figures(10, errors=5), thresholds).ok is False
+    assert early_failure(figures(50, p99=5000.0), thresholds) is None
+
+
+def test_bad_thresholds_are_rejected():
+    with pytest.raises(ValueError):
+        Thresholds(max_error_rate=1.5)
+    with pytest.raises(ValueError):
+        Thresholds(max_p99_ratio=0.5)
+
+
+TARGET = {"app": "m-v1", "version": "1",
+          "model": {"name": "m", "version": "1", "tracking_uri": "http://127.0.0.1:5000"}}
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"candidate_weight": 0.2}, "no candidate"),
+    ({"live": TARGET, "candidate": TARGET, "candidate_weight": 1.5}, "within [0, 1]"),
+    ({"live": {"app": "x"}}, "needs app and version"),
+    ({"live": {**TARGET, "model": {**TARGET["model"], "version": "champion"}}},
+     "never an alias"),
+    ({"inline_live": True, "live": {"app": "x", "version": "1"}}, "model spec"),
+    ({"weights": {}}, "unknown router config fields"),
+    ({"live": TARGET, "timeout_s": 0}, "timeout_s must be positive"),
+])
+def test_bad_router_configs_are_named(config, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RouterConfig.parse(config)
+
+
+def test_router_config_round_trips():
+    config = RouterConfig.parse({"live": TARGET, "candidate": {**TARGET, "app": "m-v2",
+                                                               "version": "2"},
+                                 "candidate_weight": 0.1, "generation": 7})
+    assert RouterConfig.parse(config.as_dict()) == config
+
+
+def test_faults_and_serving_options_are_validated():
+    assert Faults.parse({"error_rate": 0.5}).error_rate == 0.5
+    for bad in ({"error_rate": 2}, {"latency_ms": -1}, {"explode": True}):
+        with pytest.raises(ValueError):
+            Faults.parse(bad)
+    assert serving_options({"num_cpus": 0.5, "num_replicas": 2}) == {
+        "ray_actor_options": {"num_cpus": 0.5}, "num_replicas": 2}
+    with pytest.raises(ValueError, match="unknown serving options"):
+        serving_options({"replicas": 2})
+    with pytest.raises(ValueError, match="num_replicas"):
+        serving_options({"num_replicas": 0})
