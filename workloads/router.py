@@ -14,6 +14,7 @@ figures go to a `RouteStats` actor that the rollout flow reads.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import threading
@@ -292,12 +293,50 @@ class Router:
         inline = self.inline
         if not use_candidate and inline is not None and inline.version == target.version:
             answer = inline.answer(req)
+        elif _wants_stream(req):
+            return await self._forward_stream(target, req, config.timeout_s, started, rid)
         else:
             answer = await self._forward(target, req, config.timeout_s)
         self.stats.add(target.version, answer["status"] >= 500,
                        (time.perf_counter() - started) * 1000)
         answer["headers"].update({VERSION_HEADER: target.version, REQUEST_ID_HEADER: rid})
         return to_response(answer)
+
+    async def _forward_stream(self, target: Target, req: dict[str, Any], timeout_s: float,
+                              started: float, rid: str) -> Any:
+        """Stream a target's chunks through: its first item is {"status", "headers"}; the
+        timeout covers the wait for it (time to first token), not the whole stream."""
+        from starlette.responses import StreamingResponse
+
+        stream = None
+        try:
+            stream = self._handle(target).options(stream=True).handle_http_stream.remote(req)
+            head = await asyncio.wait_for(stream.__anext__(), timeout_s)
+        except Exception as error:
+            if stream is not None:
+                stream.cancel()
+            status = 504 if isinstance(error, TimeoutError) else 502
+            reason = (f"no first chunk within {timeout_s:g} s" if status == 504
+                      else f"{type(error).__name__}: {str(error)[-300:]}")
+            answer = json_response(status, {"error": f"v{target.version}: {reason}"})
+            self.stats.add(target.version, True, (time.perf_counter() - started) * 1000)
+            answer["headers"].update({VERSION_HEADER: target.version, REQUEST_ID_HEADER: rid})
+            return to_response(answer)
+
+        async def chunks():
+            failed = head.get("status", 200) >= 500
+            try:
+                async for chunk in stream:
+                    yield chunk
+            except Exception:
+                failed = True
+                raise
+            finally:
+                self.stats.add(target.version, failed, (time.perf_counter() - started) * 1000)
+
+        headers = {**head.get("headers", {}), VERSION_HEADER: target.version,
+                   REQUEST_ID_HEADER: rid}
+        return StreamingResponse(chunks(), status_code=head.get("status", 200), headers=headers)
 
     async def _forward(self, target: Target, req: dict[str, Any], timeout_s: float):
         try:
@@ -319,6 +358,17 @@ class Router:
             message = str(error).strip().splitlines()[-1] if str(error).strip() else ""
             return json_response(502, {"error": f"v{target.version} failed: "
                                                 f"{type(error).__name__}: {message[:300]}"})
+
+
+def _wants_stream(req: dict[str, Any]) -> bool:
+    """An OpenAI-style `"stream": true` request (LLM targets answer it in chunks)."""
+    body = req.get("body", b"")
+    if b'"stream"' not in body:
+        return False
+    try:
+        return json.loads(body).get("stream") is True
+    except (ValueError, AttributeError):
+        return False
 
 
 def build_router_app(args: dict[str, Any]) -> Any:

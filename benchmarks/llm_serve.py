@@ -1,0 +1,149 @@
+"""Tokens/s and latency of the vLLM app on Ray Serve, straight to the app over HTTP.
+
+Starts an embedded local Ray (or joins --address), deploys workloads.llm with a route
+(replicas under .venv-llm), and sends --requests completions of --max-tokens tokens each,
+--concurrency at a time (ignore_eos, so every request generates exactly that many). The model
+is a folder given with --model, else the tiny Llama built locally. A few requests warm the
+path first, outside the timing. Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+ROUTE = "/llm-bench"
+APP_NAME = "llm-bench"
+SERVED_NAME = "bench-llm"
+WARMUP_REQUESTS = 4
+PROMPT = "ray serve routes every request of the canary to the live model version and"
+
+
+def detect_device() -> str:
+    """'gpu' where nvidia-smi lists one (the LLM venv then needs CUDA vLLM), else 'cpu'."""
+    if shutil.which("nvidia-smi") is None:
+        return "cpu"
+    result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return "gpu" if result.returncode == 0 and "GPU" in result.stdout else "cpu"
+
+
+def app_args(model: str, device: str, max_model_len: int, python: str | None) -> dict:
+    engine: dict = {"max_model_len": max_model_len}
+    if device == "gpu":
+        engine["dtype"] = "bfloat16"
+        actor = {"num_cpus": 1, "num_gpus": 1}
+    else:
+        engine.update(dtype="float32", kv_cache_memory_bytes=256 << 20)
+        actor = {"num_cpus": 1}
+    return {"model": model, "served_model_name": SERVED_NAME, "version_label": "bench",
+            "engine": engine, "ray_actor_options": actor, "route_prefix": ROUTE,
+            "max_ongoing_requests": 256,
+            **({"python": python} if python else {})}
+
+
+async def load(url: str, requests: int, concurrency: int, max_tokens: int) -> dict:
+    """Completions at `url` (.../v1/completions), `concurrency` at a time: wall time, tokens,
+    and each request's latency in ms."""
+    import httpx
+
+    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0}
+    latencies: list[float] = []
+    tokens = 0
+    gate = asyncio.Semaphore(concurrency)
+
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(
+            max_connections=concurrency)) as client:
+        async def one() -> None:
+            nonlocal tokens
+            async with gate:
+                start = time.perf_counter()
+                response = await client.post(url, json=body)
+                latencies.append((time.perf_counter() - start) * 1000)
+            response.raise_for_status()
+            tokens += response.json()["usage"]["completion_tokens"]
+
+        await asyncio.gather(*(one() for _ in range(min(WARMUP_REQUESTS, requests))))
+        latencies.clear()
+        tokens = 0
+        start = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(requests)))
+        wall = time.perf_counter() - start
+    return {"wall_s": wall, "tokens": tokens, "latencies_ms": latencies}
+
+
+def summarize(run: dict) -> dict:
+    latencies = sorted(run["latencies_ms"])
+    p99_index = min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))
+    return {"tokens_per_s": round(run["tokens"] / run["wall_s"], 1),
+            "p50_ms": round(statistics.median(latencies), 1),
+            "p99_ms": round(latencies[p99_index], 1),
+            "requests": len(latencies), "tokens": run["tokens"], "wall_s": round(run["wall_s"], 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument("--model", help="a Hugging Face folder; default: the tiny Llama")
+    parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    parser.add_argument("--python", help="the LLM venv's python (default .venv-llm/bin/python)")
+    parser.add_argument("--address", default="", help="Ray address; '' starts a local Ray")
+    parser.add_argument("--num-cpus", type=int, default=4,
+                        help="logical CPUs of the local Ray (oversubscribed on purpose)")
+    args = parser.parse_args(argv)
+
+    from ray import serve
+
+    from blocks import RayCluster
+    from deployments import local
+    from workloads.llm import deploy_llm_app
+    from workloads.tiny_llm import build_tiny_llm
+
+    device = detect_device() if args.device == "auto" else args.device
+    workdir = Path(tempfile.mkdtemp(prefix="bench-llm-"))
+    try:
+        model = args.model or str(build_tiny_llm(workdir / "tiny", python=args.python))
+        cluster = RayCluster(address=args.address,
+                             num_cpus=None if args.address else args.num_cpus)
+        with cluster.connect():
+            from ray.serve.context import _get_global_client
+
+            started_serve = _get_global_client(raise_if_no_controller_running=False) is None
+            if started_serve:
+                (port,) = local.free_ports(1)
+                serve.start(http_options={"host": local.HOST, "port": port})
+            try:
+                started = time.perf_counter()
+                deploy_llm_app(app_args(model, device, args.max_model_len, args.python),
+                               name=APP_NAME)
+                deploy_s = time.perf_counter() - started
+                http_port = _get_global_client().http_config.port
+                url = f"http://{local.HOST}:{http_port}{ROUTE}/v1/completions"
+                direct = summarize(asyncio.run(
+                    load(url, args.requests, args.concurrency, args.max_tokens)))
+            finally:
+                serve.delete(APP_NAME)
+                if started_serve:
+                    serve.shutdown()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    print(f"direct: {direct} (deploy {deploy_s:.1f} s, {args.requests} requests x "
+          f"{args.max_tokens} tokens, {args.concurrency} at a time, device {device})")
+    print(json.dumps({"device": device, "direct_tokens_per_s": direct["tokens_per_s"],
+                      "p50_ms": direct["p50_ms"], "p99_ms": direct["p99_ms"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
