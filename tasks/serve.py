@@ -23,6 +23,7 @@ from workloads.router import RouterConfig, Target
 from workloads.serving import Faults, serving_options
 
 LIVE = registry.LIVE
+LLM_DEPLOYMENT = "LLMServer"
 # Stages talk to a live cluster: never served from a cache.
 stage = task(cache_policy=NO_CACHE)
 
@@ -70,6 +71,13 @@ class Gates(BaseModel):
     bake_window_s: float = Field(5.0, gt=0, description="Sliding window judged during the bake.")
     request_timeout_s: float = Field(10.0, gt=0, description="The router's per-request timeout "
                                      "(504 after it).")
+    smoke_prompt: str = Field("Hello", min_length=1, description="LLM versions: the smoke "
+                              "gate's completion prompt (the answer must not be empty).")
+    smoke_max_tokens: int = Field(8, ge=1, description="LLM versions: tokens the smoke asks for.")
+    max_ttft_ms: float = Field(5000.0, gt=0, description="LLM versions: highest p99 time to "
+                               "first token in a canary step.")
+    min_tokens_per_s_ratio: float = Field(0.5, ge=0, description="LLM versions: lowest "
+                                          "candidate tokens/s (p50) as a share of live's.")
 
     @model_validator(mode="after")
     def _check(self) -> Gates:
@@ -113,6 +121,43 @@ class Serving(BaseModel):
 
     def router_options(self) -> dict[str, Any]:
         return {"num_replicas": self.router_replicas, "num_cpus": self.router_num_cpus}
+
+
+class LLMServing(BaseModel):
+    """How an LLM version's Serve application runs (vLLM in the LLM venv's replicas)."""
+
+    engine: dict[str, Any] = Field(default_factory=dict, description="vLLM engine settings: "
+                                   "max_model_len, gpu_memory_utilization, tensor_parallel_size, "
+                                   "enforce_eager, kv_cache_memory_bytes, dtype, extra.")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs per replica (fractions allowed).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (fractions allowed).")
+    min_replicas: int = Field(1, ge=0, description="Autoscaling floor.")
+    max_replicas: int = Field(1, ge=1, description="Autoscaling ceiling.")
+    target_ongoing_requests: float = Field(16, gt=0, description="Autoscaling target per replica.")
+    python: str | None = Field(None, description="The LLM venv's python on every node; empty: "
+                               "$RLT_LLM_PYTHON, else this checkout's .venv-llm/bin/python.")
+    health_check_period_s: float = Field(10.0, gt=0, description="Serve health-check period.")
+    health_check_timeout_s: float = Field(30.0, gt=0, description="Serve health-check timeout.")
+
+    def app_args(self, mlflow_server: MLflowServer, model_name: str, version: str):
+        import os
+
+        from workloads.llm import LLMAppArgs
+        from workloads.tiny_llm import DEFAULT_LLM_PYTHON
+
+        actor = {"num_cpus": self.num_cpus, **({"num_gpus": self.num_gpus}
+                                               if self.num_gpus else {})}
+        return LLMAppArgs(
+            mlflow={"tracking_uri": mlflow_server.tracking_uri, "model_name": model_name,
+                    "version": str(version)},
+            served_model_name=model_name, version_label=str(version), engine=self.engine,
+            autoscaling={"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                         "target_ongoing_requests": self.target_ongoing_requests},
+            ray_actor_options=actor,
+            # Resolved here: the app is built from a shipped copy of workloads, elsewhere.
+            python=self.python or os.environ.get("RLT_LLM_PYTHON") or str(DEFAULT_LLM_PYTHON),
+            health_check_period_s=self.health_check_period_s,
+            health_check_timeout_s=self.health_check_timeout_s)
 
 
 class Drill(BaseModel):
@@ -159,6 +204,26 @@ def target_for(app: str, spec: dict[str, Any]) -> Target:
     return Target(spec["version"], app, sc.POLICY_DEPLOYMENT, spec)
 
 
+def version_app(kind: str, mlflow_server: MLflowServer, model_name: str, version: str,
+                serving: Serving, llm: LLMServing, faults: dict[str, Any],
+                runtime_env: dict[str, Any]) -> tuple[dict[str, Any], Target, float]:
+    """The version's Serve app config, the router's target for it, and its health period."""
+    app = sc.version_app_name(model_name, version)
+    if kind == "policy":
+        spec = model_spec(mlflow_server, model_name, version)
+        config = sc.version_app_config(app, spec, serving.version_options(), faults,
+                                       runtime_env)
+        return config, target_for(app, spec), serving.health_check_period_s
+    from workloads.llm import llm_app_config
+
+    config = llm_app_config(app, llm.app_args(mlflow_server, model_name, version), runtime_env)
+    return config, Target(str(version), app, LLM_DEPLOYMENT, None), llm.health_check_period_s
+
+
+def is_llm(target: Target) -> bool:
+    return target.deployment == LLM_DEPLOYMENT
+
+
 def current_router(route: str) -> RouterConfig | None:
     """The router's config as deployed (what it serves), or None when there is no router."""
     config = sc.app_configs().get(sc.router_app_name(route))
@@ -193,14 +258,14 @@ def write_router(route: str, config: RouterConfig, runtime_env: dict[str, Any],
 
 # ---- stages -----------------------------------------------------------------------------
 @stage
-def deploy_candidate(app: str, spec: dict[str, Any], serving: Serving, faults: dict[str, Any],
-                     gates: Gates, runtime_env: dict[str, Any]) -> dict[str, Any]:
+def deploy_candidate(config: dict[str, Any], target: Target, health_period_s: float,
+                     gates: Gates) -> dict[str, Any]:
     """Gate 1: deploy the version's app; RUNNING, every replica healthy, and staying so."""
-    config = sc.version_app_config(app, spec, serving.version_options(), faults, runtime_env)
+    app = target.app
     sc.apply({app: config})
     # The window spans at least three of Serve's health checks: one look is not health.
-    window_s = max(gates.stability_window_s, 3 * serving.health_check_period_s)
-    report = sc.wait_stable(app, sc.POLICY_DEPLOYMENT, timeout_s=gates.health_timeout_s,
+    window_s = max(gates.stability_window_s, 3 * health_period_s)
+    report = sc.wait_stable(app, target.deployment, timeout_s=gates.health_timeout_s,
                             window_s=window_s)
     figures = {"seconds": round(report.seconds, 1), "replicas": report.replicas,
                "checks": report.checks, "timeline": report.timeline}
@@ -211,9 +276,12 @@ def deploy_candidate(app: str, spec: dict[str, Any], serving: Serving, faults: d
 
 
 @stage
-def smoke(app: str, gates: Gates) -> dict[str, Any]:
-    """Gate 2: golden observations through the candidate's handle: valid actions, fast."""
-    handle = sc.handle(app, sc.POLICY_DEPLOYMENT)
+def smoke(target: Target, gates: Gates) -> dict[str, Any]:
+    """Gate 2: golden observations through the candidate's handle: valid actions, fast (an
+    LLM version: a real completion, not empty, inside the latency bound)."""
+    if is_llm(target):
+        return _smoke_llm(target, gates)
+    handle = sc.handle(target.app, sc.POLICY_DEPLOYMENT)
     describe = handle.describe.remote().result(timeout_s=30)
     shape = describe["observation_shape"]
     observations = gates.smoke_observations
@@ -240,6 +308,64 @@ def smoke(app: str, gates: Gates) -> dict[str, Any]:
     return {**figures, "reason": f"{len(observations)} valid actions, slowest {slowest:.1f} ms"}
 
 
+def _smoke_llm(target: Target, gates: Gates) -> dict[str, Any]:
+    import json
+
+    handle = sc.handle(target.app, LLM_DEPLOYMENT)
+    body = {"prompt": gates.smoke_prompt, "max_tokens": gates.smoke_max_tokens,
+            "temperature": 0}
+    started = time.perf_counter()
+    try:
+        answer = handle.handle_http.remote({
+            "method": "POST", "path": "/v1/completions", "query": "",
+            "headers": {"content-type": "application/json"},
+            "body": json.dumps(body).encode()}).result(timeout_s=120)
+    except Exception as error:
+        raise GateFailed("smoke", f"{type(error).__name__}: {str(error)[-300:]}") from None
+    elapsed = (time.perf_counter() - started) * 1000
+    try:
+        payload = json.loads(answer["body"])
+        text = payload["choices"][0]["text"]
+        tokens = payload["usage"]["completion_tokens"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise GateFailed("smoke", f"completion answered {answer['status']}: "
+                                  f"{answer['body'][:300]!r}") from None
+    figures = {"status": answer["status"], "completion_tokens": tokens,
+               "latency_ms": round(elapsed, 1)}
+    if answer["status"] != 200 or not tokens:
+        raise GateFailed("smoke", f"completion answered {answer['status']} with {tokens} "
+                                  f"tokens", figures)
+    if elapsed > gates.smoke_max_latency_ms:
+        raise GateFailed("smoke", f"completion took {elapsed:.0f} ms, above "
+                                  f"{gates.smoke_max_latency_ms:g} ms", figures)
+    return {**figures, "reason": f"{tokens} tokens ({text[:40]!r}) in {elapsed:.0f} ms"}
+
+
+def _llm_stats(target: Target, reset: bool = False) -> dict[str, Any] | None:
+    """An LLM app's own figures (one replica's: tokens/s and time to first token)."""
+    try:
+        stats = sc.handle(target.app, LLM_DEPLOYMENT).stats.remote(reset).result(timeout_s=30)
+    except Exception:
+        return None
+    return {"ttft_p99_ms": stats["ttft_ms"]["p99"], "tokens_per_s_p50":
+            stats["tokens_per_s"]["p50"], "completion_tokens": stats["completion_tokens"]}
+
+
+def judge_llm(candidate: dict[str, Any] | None, live: dict[str, Any] | None,
+              gates: Gates) -> str | None:
+    """Why an LLM candidate fails on time to first token or tokens/s, or None."""
+    if not candidate or candidate["ttft_p99_ms"] is None:
+        return None
+    if candidate["ttft_p99_ms"] > gates.max_ttft_ms:
+        return (f"time to first token p99 {candidate['ttft_p99_ms']:.0f} ms is above "
+                f"{gates.max_ttft_ms:g} ms")
+    ours, theirs = candidate["tokens_per_s_p50"], (live or {}).get("tokens_per_s_p50")
+    if ours is not None and theirs and ours < gates.min_tokens_per_s_ratio * theirs:
+        return (f"{ours:.0f} tokens/s is below {gates.min_tokens_per_s_ratio:g}x live's "
+                f"{theirs:.0f}")
+    return None
+
+
 @stage
 def canary_step(route: str, weight: float, live: Target, candidate: Target, gates: Gates,
                 runtime_env: dict[str, Any], serving: Serving, inline_live: bool,
@@ -249,6 +375,10 @@ def canary_step(route: str, weight: float, live: Target, candidate: Target, gate
     config = RouterConfig(live=live, candidate=candidate, candidate_weight=weight,
                           inline_live=inline_live, timeout_s=gates.request_timeout_s)
     started = time.time()
+    llm = is_llm(candidate)
+    if llm:
+        _llm_stats(candidate, reset=True)
+        _llm_stats(live, reset=True)
     write_router(route, config, runtime_env, serving)
     thresholds = gates.thresholds
     deadline = started + gates.canary_max_wait_s
@@ -274,6 +404,12 @@ def canary_step(route: str, weight: float, live: Target, candidate: Target, gate
                "live": stats.get(live.version)}
     if verdict.ok is False:
         raise GateFailed("canary", f"at {weight:.0%}: {verdict.reason}", figures)
+    if llm:
+        figures["candidate_llm"] = _llm_stats(candidate)
+        figures["live_llm"] = _llm_stats(live)
+        slow = judge_llm(figures["candidate_llm"], figures["live_llm"], gates)
+        if slow:
+            raise GateFailed("canary", f"at {weight:.0%}: {slow}", figures)
     get_run_logger().info("canary %.0f%% passed: %s", weight * 100, verdict.reason)
     return {**figures, "reason": verdict.reason if verdict.ok else
             f"inconclusive, passed on time: {verdict.reason}"}
@@ -327,11 +463,12 @@ def retire(route: str, live: Target, previous_app: str | None, gates: Gates,
     """After the bake: the router hosts the live version in process (no extra hop), then the
     previous version's app is deleted."""
     logger = get_run_logger()
-    inline_ok = True
+    inline_ok = live.model is not None  # an LLM version is always reached through its app
     try:
-        write_router(route, RouterConfig(live=live, inline_live=True,
-                                         timeout_s=gates.request_timeout_s),
-                     runtime_env, serving, wait_s=120, inline_version=live.version)
+        if inline_ok:
+            write_router(route, RouterConfig(live=live, inline_live=True,
+                                             timeout_s=gates.request_timeout_s),
+                         runtime_env, serving, wait_s=120, inline_version=live.version)
     except RuntimeError as error:  # keep forwarding to the live app; serving is unaffected
         inline_ok = False
         logger.warning("router %s still forwards to v%s: %s", route, live.version, error)
@@ -345,7 +482,7 @@ def rollback(route: str, previous: Target, candidate_app: str, gates: Gates,
              runtime_env: dict[str, Any], serving: Serving) -> dict[str, Any]:
     """Route everything back to the previous version, then delete the candidate's app."""
     started = time.time()
-    write_router(route, RouterConfig(live=previous, inline_live=True,
+    write_router(route, RouterConfig(live=previous, inline_live=previous.model is not None,
                                      timeout_s=gates.request_timeout_s),
                  runtime_env, serving)
     seconds = time.time() - started

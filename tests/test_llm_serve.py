@@ -74,7 +74,6 @@ def serve_apps(stack, tiny_model, mlflow_version):
     flow deploys versions). Deleted, with Serve if this module started it, at the end."""
     from ray import serve
 
-    from deployments import local
 
     apps: list[str] = []
     with stack.ray_cluster().connect():
@@ -84,8 +83,7 @@ def serve_apps(stack, tiny_model, mlflow_version):
 
             client = _get_global_client(raise_if_no_controller_running=False)
             if client is None:
-                (port,) = local.free_ports(1)
-                serve.start(http_options={"host": "127.0.0.1", "port": port})
+                serve.start(http_options={"host": "127.0.0.1", "port": stack.serve_port})
                 started_serve = True
                 client = _get_global_client()
             base_url = f"http://127.0.0.1:{client.http_config.port}{ROUTE}"

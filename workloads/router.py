@@ -299,7 +299,7 @@ class Router:
             answer = await self._forward(target, req, config.timeout_s)
         self.stats.add(target.version, answer["status"] >= 500,
                        (time.perf_counter() - started) * 1000)
-        answer["headers"].update({VERSION_HEADER: target.version, REQUEST_ID_HEADER: rid})
+        answer["headers"] = _tagged(answer["headers"], target.version, rid)
         return to_response(answer)
 
     async def _forward_stream(self, target: Target, req: dict[str, Any], timeout_s: float,
@@ -320,7 +320,7 @@ class Router:
                       else f"{type(error).__name__}: {str(error)[-300:]}")
             answer = json_response(status, {"error": f"v{target.version}: {reason}"})
             self.stats.add(target.version, True, (time.perf_counter() - started) * 1000)
-            answer["headers"].update({VERSION_HEADER: target.version, REQUEST_ID_HEADER: rid})
+            answer["headers"] = _tagged(answer["headers"], target.version, rid)
             return to_response(answer)
 
         async def chunks():
@@ -334,8 +334,7 @@ class Router:
             finally:
                 self.stats.add(target.version, failed, (time.perf_counter() - started) * 1000)
 
-        headers = {**head.get("headers", {}), VERSION_HEADER: target.version,
-                   REQUEST_ID_HEADER: rid}
+        headers = _tagged(head.get("headers", {}), target.version, rid)
         return StreamingResponse(chunks(), status_code=head.get("status", 200), headers=headers)
 
     async def _forward(self, target: Target, req: dict[str, Any], timeout_s: float):
@@ -358,6 +357,13 @@ class Router:
             message = str(error).strip().splitlines()[-1] if str(error).strip() else ""
             return json_response(502, {"error": f"v{target.version} failed: "
                                                 f"{type(error).__name__}: {message[:300]}"})
+
+
+def _tagged(headers: dict[str, str], version: str, rid: str) -> dict[str, str]:
+    """The answer's headers with the router's version and request id (one of each)."""
+    ours = {VERSION_HEADER.lower(), REQUEST_ID_HEADER.lower()}
+    kept = {k: v for k, v in headers.items() if k.lower() not in ours}
+    return {**kept, VERSION_HEADER: version, REQUEST_ID_HEADER: rid}
 
 
 def _wants_stream(req: dict[str, Any]) -> bool:

