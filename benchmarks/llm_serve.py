@@ -1,10 +1,12 @@
-"""Tokens/s and latency of the vLLM app on Ray Serve, straight to the app over HTTP.
+"""Tokens/s and latency of the vLLM app on Ray Serve: through the router (its stable route,
+forwarding by DeploymentHandle) versus straight to the app over HTTP, in the same run.
 
 Starts an embedded local Ray (or joins --address), deploys workloads.llm with a route
-(replicas under .venv-llm), and sends --requests completions of --max-tokens tokens each,
---concurrency at a time (ignore_eos, so every request generates exactly that many). The model
-is a folder given with --model, else the tiny Llama built locally. A few requests warm the
-path first, outside the timing. Last line: one JSON object.
+(replicas under .venv-llm) and a router whose live target is that app, then sends --requests
+completions of --max-tokens tokens each, --concurrency at a time (ignore_eos, so every request
+generates exactly that many), alternating router and direct for --rounds rounds. The model is
+a folder given with --model, else the tiny Llama built locally. A few requests warm each path
+first, outside the timing. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 ROUTE = "/llm-bench"
 APP_NAME = "llm-bench"
+ROUTER_ROUTE = "llm-bench-router"
 SERVED_NAME = "bench-llm"
 WARMUP_REQUESTS = 4
 PROMPT = "ray serve routes every request of the canary to the live model version and"
@@ -88,6 +91,11 @@ def summarize(run: dict) -> dict:
             "requests": len(latencies), "tokens": run["tokens"], "wall_s": round(run["wall_s"], 2)}
 
 
+def merge(runs: list[dict]) -> dict:
+    return {"wall_s": sum(r["wall_s"] for r in runs), "tokens": sum(r["tokens"] for r in runs),
+            "latencies_ms": [x for r in runs for x in r["latencies_ms"]]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=64)
@@ -100,13 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", default="", help="Ray address; '' starts a local Ray")
     parser.add_argument("--num-cpus", type=int, default=4,
                         help="logical CPUs of the local Ray (oversubscribed on purpose)")
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
 
     from ray import serve
 
     from blocks import RayCluster
     from deployments import local
+    from tasks.serve import serving_runtime_env
+    from workloads import serve_control as sc
     from workloads.llm import deploy_llm_app
+    from workloads.router import RouterConfig, Target
     from workloads.tiny_llm import build_tiny_llm
 
     device = detect_device() if args.device == "auto" else args.device
@@ -128,20 +140,37 @@ def main(argv: list[str] | None = None) -> int:
                                name=APP_NAME)
                 deploy_s = time.perf_counter() - started
                 http_port = _get_global_client().http_config.port
-                url = f"http://{local.HOST}:{http_port}{ROUTE}/v1/completions"
-                direct = summarize(asyncio.run(
-                    load(url, args.requests, args.concurrency, args.max_tokens)))
+                router = sc.router_app_config(
+                    ROUTER_ROUTE, RouterConfig(live=Target("bench", APP_NAME, "LLMServer"),
+                                               timeout_s=120),
+                    serving_runtime_env(cluster), {"max_ongoing_requests": 256})
+                sc.apply({router["name"]: router})
+                sc.wait_router(ROUTER_ROUTE, 0, timeout_s=120)
+                base = f"http://{local.HOST}:{http_port}"
+                runs: dict[str, list[dict]] = {"router": [], "direct": []}
+                for _ in range(args.rounds):
+                    for side, prefix in (("router", f"/{ROUTER_ROUTE}"), ("direct", ROUTE)):
+                        runs[side].append(asyncio.run(load(
+                            f"{base}{prefix}/v1/completions", args.requests,
+                            args.concurrency, args.max_tokens)))
+                direct = summarize(merge(runs["direct"]))
+                routed = summarize(merge(runs["router"]))
             finally:
+                sc.apply(deletes={sc.router_app_name(ROUTER_ROUTE)})
                 serve.delete(APP_NAME)
                 if started_serve:
                     serve.shutdown()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    print(f"direct: {direct} (deploy {deploy_s:.1f} s, {args.requests} requests x "
-          f"{args.max_tokens} tokens, {args.concurrency} at a time, device {device})")
-    print(json.dumps({"device": device, "direct_tokens_per_s": direct["tokens_per_s"],
-                      "p50_ms": direct["p50_ms"], "p99_ms": direct["p99_ms"]}))
+    print(f"direct: {direct}\nrouter: {routed}\n(deploy {deploy_s:.1f} s, {args.rounds} "
+          f"rounds of {args.requests} requests x {args.max_tokens} tokens, "
+          f"{args.concurrency} at a time, device {device})")
+    print(json.dumps({"device": device, "router_tokens_per_s": routed["tokens_per_s"],
+                      "direct_tokens_per_s": direct["tokens_per_s"],
+                      "ratio": round(routed["tokens_per_s"] / direct["tokens_per_s"], 3),
+                      "p50_ms": routed["p50_ms"], "p99_ms": routed["p99_ms"],
+                      "direct_p50_ms": direct["p50_ms"], "direct_p99_ms": direct["p99_ms"]}))
     return 0
 
 
