@@ -1,90 +1,207 @@
-"""`make demo`: start the local services, run the end-to-end slice that exists, say where to look.
+"""`make demo`: the whole lifecycle the way a user runs it, on local services.
 
-Until the pipeline (train -> register -> roll out) lands, the slice is: the block types
-registered in Prefect; `ray-smoke` fanning 20 Prefect tasks out on an embedded Ray; a small
-PPO sweep on CartPole; its best trial registered in MLflow and promoted to `champion` if it
-beats the current one; and a prediction from `models:/cartpole-ppo@champion` in a fresh process.
-A second `make demo` reuses the running services and trains a new challenger.
+Starts (or reuses) a Prefect server, an MLflow server and a Ray head; sets the environment up
+(blocks, process work pool, rollout concurrency limit: deployments.setup); deploys every flow
+(`prefect --no-prompt deploy --all`); starts (or reuses) a process worker; runs
+`train-and-ship` through its deployment (sweep -> evaluate -> register -> promote ->
+rollout); sends a few requests to the served policy; and prints where to look.
+
+A second `make demo` reuses all of it and trains a new challenger: it is promoted, and rolled
+out through the canary gates, only if it beats the champion; otherwise the champion keeps
+serving.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
+from collections import Counter
 from pathlib import Path
 
 from deployments import local
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-PREDICT = """
-import json, numpy as np, mlflow, gymnasium as gym
-model = mlflow.pyfunc.load_model("models:/cartpole-ppo@champion")
-env = gym.make("CartPole-v1")
-obs = np.stack([env.reset(seed=s)[0] for s in range(4)]).astype("float32")
-print(json.dumps(np.asarray(model.predict(obs)).tolist()))
-"""
+DEPLOYMENT = "train-and-ship/train-and-ship"
+ROUTE = "policy"
+MODEL_NAME = "cartpole-ppo"
+RUN_TIMEOUT_S = 1800
+OBSERVATIONS = [[0.01, -0.02, 0.03, 0.04], [0.1, 0.5, -0.05, -0.6], [-0.1, -0.4, 0.05, 0.7],
+                [0.0, 0.2, 0.02, -0.3], [0.05, -0.3, -0.08, 0.4]]
 
 
-def main() -> int:
-    if local.main(["up"]) != 0:
+def run(argv: list[str], env: dict[str, str], what: str) -> str:
+    done = subprocess.run(argv, env=env, cwd=PROJECT_ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(done.stdout[-4000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
+        raise SystemExit(f"{what} failed (exit {done.returncode})")
+    return done.stdout
+
+
+def watch(client, flow_run_id: str, timeout: float):
+    """Follow the run and its subflows, printing each state change; return the final run."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    seen: dict[str, str] = {}
+    names: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    while True:
+        run = client.read_flow_run(flow_run_id)
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
+        for item in [run, *sorted(children, key=lambda c: c.created)]:
+            key = str(item.id)
+            if key not in names:
+                names[key] = client.read_flow(item.flow_id).name
+            state = item.state.name if item.state else "?"
+            if seen.get(key) != state:
+                seen[key] = state
+                print(f"   {time.monotonic() - started:6.0f} s  {names[key]:22} {state}",
+                      flush=True)
+        if run.state is not None and run.state.is_final():
+            return run
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{DEPLOYMENT} run {flow_run_id} is still "
+                             f"{run.state and run.state.name} after {timeout:.0f} s")
+        time.sleep(3)
+
+
+class Traffic(threading.Thread):
+    """A few requests a second to the route while the run goes on, so a challenger's canary
+    and bake are judged on real answers; counts answers by status and version."""
+
+    def __init__(self, url: str, pause_s: float = 0.2):
+        super().__init__(daemon=True)
+        self.url, self.pause_s = url, pause_s
+        self.answers: Counter[tuple[int, str | None]] = Counter()
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        from deployments import lineage
+
+        while not self.stopping.wait(self.pause_s):
+            answer = lineage.ask(self.url, OBSERVATIONS[len(self.answers) % len(OBSERVATIONS)])
+            self.answers[(answer["status"], answer["version"])] += 1
+
+    def report(self) -> str:
+        self.stopping.set()
+        self.join(timeout=40)
+        parts = [f"{n} x {status}" + (f" from v{version}" if version else "")
+                 for (status, version), n in sorted(self.answers.items(), key=str)]
+        return ", ".join(parts) or "none"
+
+
+def summary_of(client, flow_run_id: str) -> str:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return next((a.description or "" for a in artifacts if a.key == "train-and-ship"), "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deployments.demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--state-dir", type=Path, default=local.DEFAULT_STATE_DIR,
+                        help="folder for the local services' state (default: .local/)")
+    state_dir = parser.parse_args(argv).state_dir.resolve()
+    if local.main(["up", "--ray", "--state-dir", str(state_dir)]) != 0:
         return 1
-    services = local.services()
-    env = {**os.environ, **local.environment(services)}
+    from deployments import setup
+
+    environment = setup.local_environment(state_dir)
+    client_env = environment.client_env
+    os.environ.update(client_env)  # this process talks to the local services from here on
+    env = {**os.environ}
     python = sys.executable
+    prefect = str(Path(python).parent / "prefect")
+    prefect_url = client_env["PREFECT_API_URL"].removesuffix("/api")
+    mlflow_url = environment.mlflow_uri
 
-    print("\n== registering block types (RayCluster, MLflowServer) with the Prefect server")
-    subprocess.run([python, "-m", "prefect", "block", "register", "-m", "blocks"],
-                   env=env, cwd=PROJECT_ROOT, check=True, stdout=subprocess.DEVNULL)
+    print("\n== setting up the environment (python -m deployments.setup)", flush=True)
+    state = ["--state-dir", str(state_dir)]
+    for line in run([python, "-m", "deployments.setup", *state], env, "setup").splitlines():
+        print(f"   {line}")
 
-    print("== running flow ray-smoke: 20 Prefect tasks on an embedded Ray")
-    run = subprocess.run([python, "-m", "flows.ray_smoke", "--tasks", "20"], env=env,
-                         cwd=PROJECT_ROOT, capture_output=True, text=True)
-    if run.returncode != 0:
-        print(run.stdout[-4000:], run.stderr[-4000:], sep="\n", file=sys.stderr)
-        return run.returncode
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    print("== deploying every flow (prefect --no-prompt deploy --all)", flush=True)
+    out = run([prefect, "--no-prompt", "deploy", "--all"], env, "prefect deploy")
+    deployed = sorted(set(re.findall(r"Deployment '([^']+)' successfully", out)))
+    print(f"   {len(deployed)} deployments: {', '.join(deployed)}")
 
-    print("== running flows tune-sweep and register-and-promote: PPO on CartPole (a few minutes)")
-    mlflow_url = next(s.url for s in services if s.name == "mlflow")
-    lifecycle = subprocess.run([python, "-m", "deployments.demo_run",
-                                str(local.DEFAULT_STATE_DIR), mlflow_url],
-                               env=env, cwd=PROJECT_ROOT, capture_output=True, text=True)
-    if lifecycle.returncode != 0:
-        print(lifecycle.stdout[-4000:], lifecycle.stderr[-4000:], sep="\n", file=sys.stderr)
-        return lifecycle.returncode
-    registered = json.loads(lifecycle.stdout.strip().splitlines()[-1])
+    print("== starting a process worker for the pool", flush=True)
+    print("   " + run([python, "-m", "deployments.setup", *state, "--worker", "start"], env,
+                      "worker").strip())
 
-    print("== asking models:/cartpole-ppo@champion for actions, in a fresh process")
-    predict = subprocess.run([python, "-c", PREDICT], env=env, cwd=PROJECT_ROOT,
-                             capture_output=True, text=True)
-    if predict.returncode != 0:
-        print(predict.stderr[-4000:], file=sys.stderr)
-        return predict.returncode
-    actions = predict.stdout.strip().splitlines()[-1]
+    from prefect.client.orchestration import get_client
 
-    prefect_url = next(s.url for s in services if s.name == "prefect")
-    verdict = "promoted to champion" if registered["promoted"] else "kept as challenger"
-    version_url = (f"{mlflow_url}/#/models/{registered['model_name']}/versions/"
-                   f"{registered['version']}")
+    params = {"model_name": MODEL_NAME, "route": ROUTE,
+              "storage_root": str(state_dir / "sweeps")}
+    print(f"== running {DEPLOYMENT} through its deployment (a few minutes on 2 CPUs)",
+          flush=True)
+    out = run([prefect, "deployment", "run", DEPLOYMENT, "--params", json.dumps(params)], env,
+              "prefect deployment run")
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+    flow_run_url = f"{prefect_url}/runs/flow-run/{flow_run_id}"
+    print(f"   flow run {flow_run_url}")
+    from deployments import lineage
+
+    route_url = f"http://127.0.0.1:{environment.serve_port}/{ROUTE}"
+    traffic = Traffic(route_url) if lineage.ask(route_url)["version"] else None
+    if traffic is not None:
+        print(f"   (meanwhile about 5 requests a second go to {route_url})")
+        traffic.start()
+    with get_client(sync_client=True) as client:
+        final = watch(client, flow_run_id, RUN_TIMEOUT_S)
+        outcome = summary_of(client, flow_run_id)
+    if traffic is not None:
+        print(f"   answers during the run: {traffic.report()}")
+    if not final.state.is_completed():
+        worker_log = setup.worker_service(state_dir).log_file
+        print(f"\n{DEPLOYMENT} ended {final.state.name}: {final.state.message}\n"
+              f"See {flow_run_url} and {worker_log}", file=sys.stderr)
+        return 1
+
+    print(f"== asking {route_url} for actions", flush=True)
+    served = set()
+    for observation in OBSERVATIONS:
+        started = time.perf_counter()
+        answer = lineage.ask(route_url, observation)
+        served.add(answer["version"])
+        print(f"   {observation} -> {answer['status']} action "
+              f"{answer['answer'].get('action')} from v{answer['version']} "
+              f"({(time.perf_counter() - started) * 1000:.0f} ms)")
+    walked = lineage.walk(route_url, MODEL_NAME, mlflow_url)
+    registered = re.search(r" v(\d+):", outcome)  # "<model> v<N>: <why shipped or not>"
+    version = registered.group(1) if registered else walked["served"]["version"]
+    body = json.dumps({"observation": OBSERVATIONS[0]})
+    flag = "" if state_dir == local.DEFAULT_STATE_DIR.resolve() else f" --state-dir {state_dir}"
     print(f"""
-== done: {report['tasks']} task runs completed on Ray in {len(report['worker_pids'])} worker \
-processes, all recorded in the local Prefect server ({report['temporary_servers']} temporary \
-servers started by workers).
-   Sweep: {registered['trials']} trials; best checkpoint scores \
-{registered['eval_return_mean']:.1f} on held-out episodes.
-   MLflow: {registered['model_name']} v{registered['version']} \
-({'new' if registered['created'] else 'already registered'}), {verdict}: {registered['reason']}
-   models:/{registered['model_name']}@champion answers 4 CartPole observations with {actions}
+== done: {outcome}
+   {route_url} serves v{', v'.join(sorted(v for v in served if v))}; walking back from \
+its answer:
+   MLflow version     {walked.get('mlflow_version')}
+   registered by      {walked.get('registration_flow_run')}
+   sweep run          {walked.get('sweep_flow_run')}
+   Tune experiment    {walked.get('tune_experiment')} (trial {walked.get('tune_trial')})
+   held-out return    {walked.get('eval_mean_return')}
 
 Where to look:
-  Prefect flow runs  {prefect_url}/runs
-  ray-smoke run      {report['flow_run_url']}
-  MLflow model       {version_url}
-  Ray dashboard      the embedded Ray lives only for its flow run; run `python -m
-                     deployments.local up --ray` for a lasting head at http://127.0.0.1:8265
-Stop the services: python -m deployments.local down
+  Prefect flow run   {flow_run_url}
+  MLflow version     {mlflow_url}/#/models/{MODEL_NAME}/versions/{version}
+  Ray dashboard      http://127.0.0.1:{local.RAY_DASHBOARD_PORT} (Serve tab: apps and replicas)
+  Try the endpoint   curl -si -XPOST {route_url} -H 'content-type: application/json' \
+-d '{body}'
+  Lineage            python -m deployments.lineage --url {route_url}
+  Deployments        {prefect_url}/deployments (schedules are off: \
+python -m deployments.setup --schedules on)
+Stop everything: python -m deployments.setup{flag} --worker stop && \
+python -m deployments.local{flag} down --ray
 """)
     return 0
 

@@ -9,6 +9,7 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field, field_validator
 
 from blocks import MLflowServer
+from tasks import lineage
 from tasks.register import EvaluationSummary, evaluate, promote, register
 from workloads import registry
 from workloads.promotion import EvalProtocol
@@ -98,6 +99,13 @@ def register_and_promote(
         mlflow_experiment=mlflow_experiment, create_model=create_model)
     verdict = promote(server, model_name=request.model_name, version=registration.version,
                       protocol=protocol, margin=margin)
+    lineage.record_model_version(
+        server, request.model_name, registration.version,
+        experiment_path=request.experiment_path,
+        metadata={"trial_id": request.trial_id, "eval_mean_return": evaluation.mean_return,
+                  "promoted": verdict.promote, "reason": verdict.reason,
+                  "model_uri": registration.model_uri,
+                  "dataset_fingerprint": request.dataset_fingerprint})
     create_markdown_artifact(
         key="registration",
         markdown=(f"**{request.model_name} v{registration.version}** "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -19,10 +19,12 @@ from pydantic import BaseModel, Field
 
 from blocks import MLflowServer, RayCluster
 from flows.register import DEFAULT_MODEL_NAME
+from tasks import lineage
 from tasks.serve import (
     Drill,
     GateFailed,
     Gates,
+    LLMServing,
     Serving,
     bake,
     canary_step,
@@ -31,14 +33,13 @@ from tasks.serve import (
     emit,
     ensure_rollout_limit,
     inject,
-    model_spec,
     record,
     retire,
     rollback,
     serving_runtime_env,
     smoke,
     swap,
-    target_for,
+    version_app,
     withdraw,
 )
 from workloads import registry
@@ -111,6 +112,8 @@ def serve_rollout(
     drill: Drill | None = None,
     ray_cluster: RayCluster | None = None,
     mlflow_server: MLflowServer | None = None,
+    kind: Literal["policy", "llm"] = "policy",
+    llm: LLMServing | None = None,
 ) -> RolloutResult:
     """Roll a registered policy version out to a Serve route through health, smoke and
     canary gates, swap it in, bake it, and roll back on degradation.
@@ -125,8 +128,14 @@ def serve_rollout(
         drill: Faults injected into the candidate to rehearse the gates; empty for none.
         ray_cluster: A Ray cluster that outlives the flow run (Serve keeps serving on it).
         mlflow_server: The MLflow server; the local one (http://127.0.0.1:5000) when empty.
+        kind: "policy" (an RLlib policy registered by this project) or "llm" (a Hugging Face
+            model folder served by vLLM from the LLM venv).
+        llm: Engine, replicas and venv of an LLM version's app (kind "llm").
     """
     gates, serving, drill = gates or Gates(), serving or Serving(), drill or Drill()
+    llm = llm or LLMServing()
+    if kind == "llm" and (drill.faults or drill.after_swap):
+        raise ValueError("drills inject faults into policy versions only")
     server, cluster = mlflow_server or MLflowServer(), ray_cluster or RayCluster()
     sc.validate_route(route)
     serving.version_options()
@@ -134,9 +143,20 @@ def serve_rollout(
         raise ValueError("serve_rollout needs a Ray cluster that outlives the flow run: set "
                          "the RayCluster block's address (an embedded Ray stops with the run)")
     version = _resolve(server, model_name, version, alias)
-    with concurrency(ensure_rollout_limit(route), occupy=1), cluster.connect():
+    with concurrency(ensure_rollout_limit(route), occupy=1), cluster.connect() as joined:
         sc.start(cluster.serve_host, cluster.serve_port)
-        return _rollout(model_name, version, route, gates, serving, drill, cluster, server)
+        try:
+            result = _rollout(model_name, version, route, gates, serving, drill, cluster,
+                              server, kind, llm)
+        finally:
+            if joined is not None:  # this flow started the Ray connection: leave no handles
+                sc.release()
+    if result.outcome != "already_live":
+        lineage.record_serving(cluster, server, model_name, version,
+                               app=sc.version_app_name(model_name, version), route=route,
+                               metadata={"outcome": result.outcome,
+                                         "previous_version": result.previous_version})
+    return result
 
 
 def _resolve(server: MLflowServer, model_name: str, version: str | None, alias: str) -> str:
@@ -154,11 +174,12 @@ def _resolve(server: MLflowServer, model_name: str, version: str | None, alias: 
 
 
 def _rollout(model_name: str, version: str, route: str, gates: Gates, serving: Serving,
-             drill: Drill, cluster: RayCluster, server: MLflowServer) -> RolloutResult:
+             drill: Drill, cluster: RayCluster, server: MLflowServer, kind: str,
+             llm: LLMServing) -> RolloutResult:
     timeline = Timeline(model_name, version, route)
     env = serving_runtime_env(cluster)
-    spec = model_spec(server, model_name, version)
-    candidate = target_for(sc.version_app_name(model_name, version), spec)
+    app_config, candidate, health_period_s = version_app(kind, server, model_name, version,
+                                                         serving, llm, drill.faults, env)
     router = current_router(route)
     live = router.live if router else None
     url = f"{cluster.serve_url}/{route}"
@@ -175,24 +196,25 @@ def _rollout(model_name: str, version: str, route: str, gates: Gates, serving: S
 
     stage_figures: dict[str, Any] = {}
     try:
-        health = deploy_candidate(candidate.app, spec, serving, drill.faults, gates, env)
+        health = deploy_candidate(app_config, candidate, health_period_s, gates)
         timeline.add("health", "passed", health["reason"], health)
-        smoked = smoke(candidate.app, gates)
+        smoked = smoke(candidate, gates)
         timeline.add("smoke", "passed", smoked["reason"], smoked)
         if live is None:
-            swapped = swap(route, candidate, gates, env, serving, inline=True)
+            swapped = swap(route, candidate, gates, env, serving,
+                           inline=candidate.model is not None)
             record(server, model_name, version,
                    {"verdict": "promoted", "route": route, "app": candidate.app,
                     "reason": "first rollout: health and smoke gates passed"},
                    move_live_to=version, reason=f"first rollout on /{route}")
-            timeline.add("router", "created", f"/{route} serves v{version} in process", swapped)
+            timeline.add("router", "created", f"/{route} serves v{version}", swapped)
             emit("promoted", model_name, version, route, {"first": True, "url": url})
             timeline.publish(f"v{version} serves /{route} (first rollout)")
             return RolloutResult(outcome="first_rollout", reason="first rollout",
                                  timeline=timeline.entries, **result)
         for weight in gates.canary_steps:
             step = canary_step(route, weight, live, candidate, gates, env, serving,
-                               router.inline_live)
+                               router.inline_live and live.model is not None)
             timeline.add(f"canary {weight:.0%}", "passed", step["reason"], step)
     except GateFailed as failure:
         withdraw(route, live, candidate.app, gates, env, serving)

@@ -13,6 +13,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from blocks import RayCluster
+from tasks import lineage
 from tasks.tune import (
     DEFAULT_STORAGE_ROOT,
     EvaluationReport,
@@ -40,6 +41,7 @@ def tune_sweep(
     ray_cluster: RayCluster | None = None,
     storage_root: str = DEFAULT_STORAGE_ROOT,
     evaluation_episodes: Annotated[int, Field(ge=1)] = 10,
+    asset_deps: list[str] | None = None,
 ) -> SweepResult:
     """Sweep an RLlib algorithm with Tune, then evaluate and publish the best checkpoint.
 
@@ -49,6 +51,8 @@ def tune_sweep(
         storage_root: Folder (shared by every Ray node) for sweeps; a flow run's sweep lives
             under its id, so a retry or re-run of that flow run resumes it.
         evaluation_episodes: Held-out greedy episodes to evaluate the best checkpoint.
+        asset_deps: Prefect asset keys the sweep trained on (e.g. a data-prep dataset's
+            asset_key); the experiment asset records them as its upstream.
     """
     sweep = sweep or SweepConfig()
     swept = run_sweep(sweep, ray_cluster or RayCluster(), storage_root, return_state=True)
@@ -59,6 +63,11 @@ def tune_sweep(
                           evaluation_episodes, sweep.seed)
     publish(outcome, evaluation)
     best = outcome.best
+    lineage.record_experiment(outcome.experiment_path, deps=list(asset_deps or []), metadata={
+        "flow_run_id": str(flow_run.id), "best_trial_id": best.trial_id,
+        "best_return": best.best_return, "eval_mean_return": evaluation.mean_return,
+        "trials": len(outcome.trials), "algorithm": sweep.algorithm,
+        "environment": sweep.environment})
     return SweepResult(
         best_config=best.config,
         metrics={"best_return": best.best_return, "env_steps": best.env_steps,

@@ -266,7 +266,7 @@ def deploy_candidate(config: dict[str, Any], target: Target, health_period_s: fl
     # The window spans at least three of Serve's health checks: one look is not health.
     window_s = max(gates.stability_window_s, 3 * health_period_s)
     report = sc.wait_stable(app, target.deployment, timeout_s=gates.health_timeout_s,
-                            window_s=window_s)
+                            window_s=window_s, probe=True)
     figures = {"seconds": round(report.seconds, 1), "replicas": report.replicas,
                "checks": report.checks, "timeline": report.timeline}
     if not report.healthy:

@@ -175,10 +175,14 @@ class HealthReport:
 
 
 def wait_stable(app: str, deployment: str, *, timeout_s: float, window_s: float,
-                poll_s: float = 0.5) -> HealthReport:
+                poll_s: float = 0.5, probe: bool = False) -> HealthReport:
     """Wait until the app is RUNNING with every replica RUNNING, then require it to stay so,
     with the same replicas, for `window_s`: a replica that is replaced or turns unhealthy
-    inside the window fails the gate (Serve's own RUNNING is one look, not health)."""
+    inside the window fails the gate (Serve's own RUNNING is one look, not health).
+
+    With `probe`, each poll inside the window also calls the deployment's own check_health
+    through its handle: Serve marks a replica unhealthy only after three failed checks in a
+    row, so a failure that starts inside the window would otherwise be seen too late."""
     started = time.monotonic()
     stable_since: float | None = None
     stable_replicas: set[str] = set()
@@ -203,6 +207,10 @@ def wait_stable(app: str, deployment: str, *, timeout_s: float, window_s: float,
                    and replicas and all(s.endswith("RUNNING") for s in replicas.values()))
         if running:
             checks += 1
+            if probe and (failure := _probe(app, deployment)):
+                return HealthReport(False, now - started, f"{app}: check_health failed inside "
+                                    f"the stability window: {failure}", len(replicas), checks,
+                                    timeline)
             if stable_since is None:
                 stable_since, stable_replicas = now, set(replicas)
             elif set(replicas) != stable_replicas:
@@ -226,6 +234,16 @@ def wait_stable(app: str, deployment: str, *, timeout_s: float, window_s: float,
 
 
 _HANDLES: dict[tuple[str, str], Any] = {}
+
+
+def _probe(app: str, deployment: str, timeout_s: float = 30.0) -> str | None:
+    """Call the deployment's check_health through its handle; the failure, or None."""
+    try:
+        handle(app, deployment).check_health.remote().result(timeout_s=timeout_s)
+    except Exception as error:
+        text = str(error).strip().splitlines()
+        return f"{type(error).__name__}: {text[-1][:300] if text else ''}"
+    return None
 
 
 def handle(app: str, deployment: str) -> Any:

@@ -1,0 +1,272 @@
+"""What `prefect deploy` needs beyond prefect.yaml, per environment, and idempotent: the
+blocks the deployments name, the process work pool, the rollout concurrency limits, schedules
+on or off, and a worker for the pool.
+
+    python -m deployments.setup                   # the local services of deployments.local
+    python -m deployments.setup --ray-address HOST:PORT --ray-token-file F --mlflow-uri URI
+    python -m deployments.setup --schedules on    # after `prefect deploy`: nightly + reconcile
+    python -m deployments.setup --worker start    # a process worker for the pool (or stop)
+
+An environment is a Prefect API (PREFECT_API_URL) plus the values below; prefect.yaml names
+the blocks (`ray-cluster/lifecycle`, `mlflow-server/lifecycle`), this module fills them in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deployments import local
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+WORK_POOL = "ray-lifecycle-process"
+BLOCK_NAME = "lifecycle"  # what prefect.yaml's `$ref: {block_document_slug: ...}` name
+ROUTES = ("policy",)
+SCHEDULED = ("train-and-ship", "reconcile")  # deployments with schedules in prefect.yaml
+WORKER_NAME = "ray-lifecycle-local"
+
+
+@dataclass(frozen=True)
+class Environment:
+    """Per-environment values: where Ray and MLflow are, and what the deployments name."""
+
+    ray_address: str
+    mlflow_uri: str
+    ray_token: str | None = None
+    ray_dashboard_url: str | None = None
+    serve_port: int = 8000
+    routes: tuple[str, ...] = ROUTES
+    block_name: str = BLOCK_NAME
+    work_pool: str = WORK_POOL
+    client_env: dict[str, str] = field(default_factory=dict)  # for workers and CLI calls
+
+    def ray_cluster(self):
+        from blocks import RayCluster
+
+        return RayCluster(address=self.ray_address, auth_token=self.ray_token,
+                          dashboard_url=self.ray_dashboard_url, serve_port=self.serve_port)
+
+    def mlflow_server(self):
+        from blocks import MLflowServer
+
+        return MLflowServer(tracking_uri=self.mlflow_uri)
+
+
+def local_environment(state_dir: Path = local.DEFAULT_STATE_DIR,
+                      serve_port: int = 8000) -> Environment:
+    """The services `python -m deployments.local up --ray` runs (a Ray head is required: Serve
+    rollouts need a cluster that outlives a flow run)."""
+    services = {s.name: s for s in local.services(state_dir, names=("prefect", "mlflow", "ray"))}
+    ray = services["ray"]
+    return Environment(
+        ray_address=ray.url, mlflow_uri=services["mlflow"].url, ray_token=ray.ray_token(),
+        ray_dashboard_url=f"http://{local.HOST}:{ray.dashboard_port}", serve_port=serve_port,
+        client_env=local.environment(list(services.values())))
+
+
+def save_blocks(env: Environment) -> list[str]:
+    """Register the block types and (over)write the two named blocks."""
+    from blocks import MLflowServer, RayCluster
+
+    done = []
+    for block_type, block in ((RayCluster, env.ray_cluster()),
+                              (MLflowServer, env.mlflow_server())):
+        block_type.register_type_and_schema()
+        block.save(env.block_name, overwrite=True)
+        done.append(f"block {block_type.get_block_type_slug()}/{env.block_name}")
+    return done
+
+
+def ensure_work_pool(name: str = WORK_POOL) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            pool = client.read_work_pool(name)
+            if pool.type != "process":
+                raise ValueError(f"work pool {name!r} exists with type {pool.type!r}; the "
+                                 f"deployments need a process pool")
+            return f"work pool {name} (process): exists"
+        except ObjectNotFound:
+            try:
+                client.create_work_pool(WorkPoolCreate(name=name, type="process"))
+            except ObjectAlreadyExists:
+                pass
+    return f"work pool {name} (process): created"
+
+
+def ensure_rollout_limits(routes: tuple[str, ...] = ROUTES) -> list[str]:
+    """Global concurrency limits `serve-rollout-<route>` (limit 1) that every rollout on the
+    route holds, whichever deployment or flow started it."""
+    from tasks.serve import ensure_rollout_limit
+
+    return [f"concurrency limit {ensure_rollout_limit(route)} (1)" for route in routes]
+
+
+def prepare(env: Environment) -> list[str]:
+    return [*save_blocks(env), ensure_work_pool(env.work_pool),
+            *ensure_rollout_limits(env.routes)]
+
+
+def set_schedules(active: bool, deployments: tuple[str, ...] = SCHEDULED) -> list[str]:
+    """Turn the prefect.yaml schedules of the named deployments on or off."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    done = []
+    with get_client(sync_client=True) as client:
+        found = client.read_deployments(deployment_filter=DeploymentFilter(
+            name=DeploymentFilterName(any_=list(deployments))))
+        for deployment in found:
+            for schedule in client.read_deployment_schedules(deployment.id):
+                client.update_deployment_schedule(deployment.id, schedule.id, active=active)
+                done.append(f"schedule {deployment.name}/{schedule.slug or schedule.id}: "
+                            f"{'on' if active else 'off'}")
+    if not done:
+        done.append("no schedules found: run `prefect --no-prompt deploy --all` first")
+    return done
+
+
+# ---- the worker -------------------------------------------------------------------------
+def worker_service(state_dir: Path) -> local.Service:
+    """The worker's pid and log files live with the other local services' (port unused)."""
+    return local.Service("worker", 0, Path(state_dir).resolve())
+
+
+def worker_env(client_env: dict[str, str]) -> dict[str, str]:
+    """A worker's environment: the services, and this checkout for prefect.yaml's pull step.
+    Flow runs inherit it."""
+    env = {**os.environ, **client_env, "PREFECT_RAY_LIFECYCLE_DIR": str(PROJECT_ROOT)}
+    env.setdefault("PREFECT_WORKER_QUERY_SECONDS", "5")
+    return env
+
+
+def worker_command(pool: str = WORK_POOL, name: str = WORKER_NAME) -> list[str]:
+    prefect = str(Path(sys.executable).parent / "prefect")
+    return [prefect, "worker", "start", "--pool", pool, "--type", "process", "--name", name,
+            "--install-policy", "never"]
+
+
+def start_worker(state_dir: Path, client_env: dict[str, str], pool: str = WORK_POOL,
+                 timeout: float = 90.0) -> str:
+    """Start a process worker for the pool (a no-op when ours runs) and wait until the Prefect
+    API sees it."""
+    service = worker_service(state_dir)
+    record = local._read_pid(service)
+    if record:
+        return f"worker: already running (pid {record['pid']})"
+    for folder in (service.pid_file.parent, service.log_file.parent):
+        folder.mkdir(parents=True, exist_ok=True)
+    argv = worker_command(pool)
+    with open(service.log_file, "ab") as log:
+        process = subprocess.Popen(argv, env=worker_env(client_env), cwd=PROJECT_ROOT,
+                                   stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+    service.pid_file.write_text(json.dumps({
+        "pid": process.pid, "start_time": local._proc_start_time(process.pid), "port": 0,
+        "argv": argv}))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            local.stop(service)
+            raise RuntimeError(f"the worker exited with {process.returncode}; see "
+                               f"{service.log_file}")
+        if _worker_online(pool, client_env):
+            return f"worker: started (pid {process.pid}, log {service.log_file})"
+        time.sleep(1)
+    local.stop(service)
+    raise RuntimeError(f"the worker did not reach the Prefect API in {timeout:.0f} s; see "
+                       f"{service.log_file}")
+
+
+def _worker_online(pool: str, client_env: dict[str, str]) -> bool:
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    api = client_env.get("PREFECT_API_URL")
+    with temporary_settings(updates={PREFECT_API_URL: api} if api else {}), \
+            get_client(sync_client=True) as client:
+        workers = client.read_workers_for_work_pool(pool)
+    return any(w.name == WORKER_NAME and str(w.status).upper().endswith("ONLINE")
+               for w in workers)
+
+
+def stop_worker(state_dir: Path) -> str:
+    return f"worker: {local.stop(worker_service(state_dir))}"
+
+
+# ---- command line -----------------------------------------------------------------------
+@contextlib.contextmanager
+def _prefect_api(url: str | None) -> Iterator[None]:
+    """This process talks to the environment's Prefect API (the local server by default)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: url} if url else {}):
+        yield
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deployments.setup", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--state-dir", type=Path, default=local.DEFAULT_STATE_DIR,
+                        help="deployments.local's state folder (default: .local/)")
+    parser.add_argument("--ray-address", help="Ray GCS address (default: the local head)")
+    parser.add_argument("--ray-token-file", type=Path, help="file holding the Ray token")
+    parser.add_argument("--ray-dashboard-url")
+    parser.add_argument("--mlflow-uri", help="MLflow tracking URI (default: the local one)")
+    parser.add_argument("--serve-port", type=int, default=8000,
+                        help="port of Serve's HTTP proxy on the cluster (default 8000)")
+    parser.add_argument("--route", action="append", dest="routes",
+                        help="route that gets a rollout concurrency limit (repeatable; "
+                             "default: policy)")
+    parser.add_argument("--schedules", choices=["on", "off"],
+                        help="only turn the deployments' schedules on or off")
+    parser.add_argument("--worker", choices=["start", "stop"],
+                        help="only start or stop the local process worker")
+    args = parser.parse_args(argv)
+
+    if args.schedules:
+        api = None if args.ray_address else local_environment(args.state_dir).client_env.get(
+            "PREFECT_API_URL")
+        with _prefect_api(api):
+            lines = set_schedules(args.schedules == "on")
+    elif args.worker == "stop":
+        lines = [stop_worker(args.state_dir)]
+    else:
+        if args.ray_address:
+            token = args.ray_token_file.read_text().strip() if args.ray_token_file else None
+            env = Environment(ray_address=args.ray_address,
+                              mlflow_uri=args.mlflow_uri or os.environ.get(
+                                  "MLFLOW_TRACKING_URI", "http://127.0.0.1:5000"),
+                              ray_token=token, ray_dashboard_url=args.ray_dashboard_url,
+                              serve_port=args.serve_port,
+                              client_env={k: v for k, v in os.environ.items()
+                                          if k.startswith(("PREFECT_", "MLFLOW_", "RAY_"))})
+        else:
+            env = local_environment(args.state_dir, args.serve_port)
+            if args.mlflow_uri:
+                env = Environment(**{**env.__dict__, "mlflow_uri": args.mlflow_uri})
+        if args.routes:
+            env = Environment(**{**env.__dict__, "routes": tuple(args.routes)})
+        with _prefect_api(env.client_env.get("PREFECT_API_URL")):
+            if args.worker == "start":
+                lines = [start_worker(args.state_dir, env.client_env, env.work_pool)]
+            else:
+                lines = prepare(env)
+    for line in lines:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
