@@ -56,6 +56,23 @@ def parse_address(value: str) -> str:
     return address
 
 
+def _forget_serve_handles() -> None:
+    """Before leaving Ray: shut this driver's cached Serve handles down and forget the
+    controller. A live DeploymentHandle pushes metrics every few seconds; after
+    ray.shutdown that push would start a new local Ray in this process (Ray 2.60)."""
+    if "ray.serve" not in sys.modules:
+        return
+    try:
+        from ray.serve.context import _disconnect, _get_global_client
+
+        client = _get_global_client(raise_if_no_controller_running=False)
+        if client is not None:
+            client.shutdown_cached_handles()
+        _disconnect()
+    except Exception:  # never mask what the block's user was doing
+        pass
+
+
 class RayCluster(Block):
     """A Ray cluster that flows run on: an embedded local Ray, or an existing cluster by address.
 
@@ -188,6 +205,7 @@ class RayCluster(Block):
         try:
             yield context
         finally:
+            _forget_serve_handles()
             ray.shutdown()
 
     def export_auth_token(self) -> None:

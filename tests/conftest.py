@@ -23,6 +23,18 @@ def stack() -> Stack:
         yield services
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_stray_ray():
+    """A module must leave this process without a Ray connection: one left behind (or one
+    that Ray started on its own) would quietly become the next module's cluster."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+        pytest.fail("the module left a Ray connection (or Ray auto-started one) behind")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def prefect_api(stack: Stack):
     """Point this process (and the subprocesses tests start) at the session's servers."""
