@@ -158,11 +158,16 @@ def run(stack, threads: int, steady_s: float) -> dict[str, Any]:
             started = time.time()
             rollout(4, Drill(faults={"error_rate": 0.5}), expect_failure=True)
             ended = time.time()
-        during = [r for r in load.results if started <= r[0] <= ended]
+        # The canary's window: from the candidate's first answer to its last.
+        at = sorted(r[0] for r in load.results if r[2] == "4")
+        during = [r for r in load.results if at and at[0] <= r[0] <= at[-1]]
         figures["canary_abort"] = {
             **load.summary(),
             "errors_from_candidate": sum(1 for r in load.results if r[1] != 200 and r[2] == "4"),
-            "canary_share": round(sum(1 for r in during if r[2] == "4") / max(len(during), 1), 3),
+            "errors_outside_canary": sum(1 for r in load.results if r[1] != 200 and not (
+                started <= r[0] <= ended and r[2] == "4")),
+            "canary_share": round(len(at) / max(len(during), 1), 3),
+            "canary_s": round(at[-1] - at[0], 2) if at else 0.0,
         }
 
         with ClosedLoop(port, f"/{ROUTE}", threads) as load:
