@@ -136,13 +136,10 @@ def prefect_ids_in_name(name: str | None) -> tuple[str, str, bool] | None:
 
 def ray_dashboard_url(cluster: RayCluster, ray_context: Any = None) -> str | None:
     """The block's dashboard URL, else the one Ray reports for this connection."""
-    url = cluster.dashboard_url
-    if not url:
-        url = getattr(ray_context, "dashboard_url", None)
-        if not url:
-            import ray
+    import ray
 
-            url = ray._private.worker.get_dashboard_url() if ray.is_initialized() else None
+    url = (cluster.dashboard_url or getattr(ray_context, "dashboard_url", None)
+           or (ray._private.worker.get_dashboard_url() if ray.is_initialized() else None))
     if not url:
         return None
     url = url.rstrip("/")
@@ -203,12 +200,10 @@ class _ChildTaskLogs:
         Ray's KV store), wait until the log stream has been quiet for QUIET_S, at most
         DRAIN_LIMIT_S, then until the sender thread has posted: their last lines may still
         be on their way. A flow run without such tasks pays one KV lookup."""
-        from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_exists
+        from ray.experimental.internal_kv import _internal_kv_del
 
-        if cls._users == 0 or not _internal_kv_exists(_children_key(flow_run_id),
-                                                      namespace=KV_NAMESPACE):
+        if not _internal_kv_del(_children_key(flow_run_id), namespace=KV_NAMESPACE):
             return
-        _internal_kv_del(_children_key(flow_run_id), namespace=KV_NAMESPACE)
         started = time.monotonic()
         deadline = started + cls.DRAIN_LIMIT_S
         while time.monotonic() < deadline and (
@@ -353,7 +348,6 @@ class ProjectRayTaskRunner(RayTaskRunner):
         self.remote_defaults = {**(remote_defaults or {}), "max_retries": crash_retries}
         self._worker_settings: dict[str, Any] | None = None
         self._flow_run_id: UUID | None = None
-        self._linked = False
         self._child_logs = False  # this runner holds a share of _ChildTaskLogs' handler
         super().__init__(address=self.cluster.ray_init_address,
                          init_kwargs=self.cluster.init_kwargs())
@@ -375,7 +369,6 @@ class ProjectRayTaskRunner(RayTaskRunner):
         # Prefect enters the task runner before it opens the flow run's context: the run
         # being started is read from the engine (None when not found; linked at first submit).
         self._flow_run_id = _flow_run_being_started()
-        self._linked = False
         if not ray.is_initialized():  # we start the Ray job: it carries the flow run
             kwargs = dict(self.init_kwargs)
             if self._flow_run_id is not None:
@@ -405,11 +398,10 @@ class ProjectRayTaskRunner(RayTaskRunner):
         dashboard's page of the job. Best effort: a failure only logs a warning."""
         import ray
 
-        self._linked = True
         try:
             job_id = ray.get_runtime_context().get_job_id()
-            dashboard = ray_dashboard_url(self.cluster, self._ray_context
-                                          if getattr(self, "_owns_ray", False) else None)
+            dashboard = ray_dashboard_url(self.cluster,
+                                          self._ray_context if self._owns_ray else None)
             labels: dict[str, Any] = {"ray.job_id": job_id,
                                       "ray.namespace": self.cluster.namespace}
             if dashboard:
@@ -467,8 +459,9 @@ class ProjectRayTaskRunner(RayTaskRunner):
                    **RemoteOptionsContext.get().current_remote_options}
         flow_run = FlowRunContext.get()
         flow_run_id = flow_run.flow_run.id if flow_run and flow_run.flow_run else None
-        if flow_run_id is not None and not self._linked:
-            self._flow_run_id = self._flow_run_id or flow_run_id
+        if flow_run_id is not None and self._flow_run_id is None:
+            # Not found while entering: linked at the first submit instead.
+            self._flow_run_id = flow_run_id
             self._link_flow_run(flow_run_id)
         name = task.name if flow_run_id is None else ray_task_name(
             task.name, flow_run_id, task_run_id)
@@ -665,8 +658,10 @@ def _wait_off_slot(state: Any) -> None:
         return
     delay = (scheduled - datetime.datetime.now(datetime.UTC)).total_seconds()
     if delay >= RETRY_DELAY_OFF_SLOT_S:
+        # Named, so it is not tagged as a child of the task run (whose flow run would then
+        # wait at exit for child log lines that never come).
         ray.get(ray.remote(num_cpus=0, max_retries=3)(_by_value(retry_delay))
-                .remote(time.time() + delay))
+                .options(name="prefect-retry-delay").remote(time.time() + delay))
 
 
 def _run_sync(kwargs: dict[str, Any], lost_attempts: int = 0):

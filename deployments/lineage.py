@@ -16,7 +16,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-VERSION_HEADER = "X-Model-Version"
+from workloads.serving import VERSION_HEADER
+
 DEFAULT_OBSERVATION = [0.01, -0.02, 0.03, 0.04]  # a CartPole observation
 
 

@@ -206,6 +206,27 @@ def _log_tail(service: Service, lines: int = 20) -> str:
         return "(no log)"
 
 
+def running(service: Service) -> dict | None:
+    """The pid record of the service when a process we started for it still runs."""
+    return _read_pid(service)
+
+
+def launch(service: Service, argv: list[str], env: dict[str, str],
+           cwd: Path) -> subprocess.Popen:
+    """Start `argv` in its own session, logging to the service's log, and record its pid
+    with the process start time (so `stop` never kills a recycled pid)."""
+    for folder in (service.pid_file.parent, service.log_file.parent):
+        folder.mkdir(parents=True, exist_ok=True)
+    with open(service.log_file, "ab") as log:
+        process = subprocess.Popen(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=cwd, start_new_session=True)
+    service.pid_file.write_text(json.dumps({
+        "pid": process.pid, "start_time": _proc_start_time(process.pid),
+        "port": service.port, "argv": argv}))
+    return process
+
+
 def start(service: Service, timeout: float = START_TIMEOUT_S) -> str:
     """Start one service and wait until it answers; a no-op when ours is already up."""
     if _read_pid(service):
@@ -222,15 +243,7 @@ def start(service: Service, timeout: float = START_TIMEOUT_S) -> str:
             f"port {service.dashboard_port} on {HOST}, wanted by the ray dashboard, is in use "
             f"by another process; stop it or choose another port")
     argv, env = service.command()
-    for folder in (service.pid_file.parent, service.log_file.parent):
-        folder.mkdir(parents=True, exist_ok=True)
-    with open(service.log_file, "ab") as log:
-        process = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            cwd=service.state_dir, start_new_session=True)
-    record = {"pid": process.pid, "start_time": _proc_start_time(process.pid),
-              "port": service.port, "argv": argv}
-    service.pid_file.write_text(json.dumps(record))
+    process = launch(service, argv, env, service.state_dir)
     if not _wait_ready(service, process, timeout):
         stop(service)
         raise ServiceError(f"{service.name} did not answer at {service.health_url} within "

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import dataclasses
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -162,19 +161,11 @@ def start_worker(state_dir: Path, client_env: dict[str, str], pool: str = WORK_P
     """Start a process worker for the pool (a no-op when ours runs) and wait until the Prefect
     API sees it."""
     service = worker_service(state_dir)
-    record = local._read_pid(service)
+    record = local.running(service)
     if record:
         return f"worker: already running (pid {record['pid']})"
-    for folder in (service.pid_file.parent, service.log_file.parent):
-        folder.mkdir(parents=True, exist_ok=True)
-    argv = worker_command(pool)
-    with open(service.log_file, "ab") as log:
-        process = subprocess.Popen(argv, env=worker_env(client_env), cwd=PROJECT_ROOT,
-                                   stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
-    service.pid_file.write_text(json.dumps({
-        "pid": process.pid, "start_time": local._proc_start_time(process.pid), "port": 0,
-        "argv": argv}))
+    process = local.launch(service, worker_command(pool), worker_env(client_env),
+                           PROJECT_ROOT)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -191,10 +182,8 @@ def start_worker(state_dir: Path, client_env: dict[str, str], pool: str = WORK_P
 
 def _worker_online(pool: str, client_env: dict[str, str]) -> bool:
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    api = client_env.get("PREFECT_API_URL")
-    with temporary_settings(updates={PREFECT_API_URL: api} if api else {}), \
+    with _prefect_api(client_env.get("PREFECT_API_URL")), \
             get_client(sync_client=True) as client:
         workers = client.read_workers_for_work_pool(pool)
     return any(w.name == WORKER_NAME and str(w.status).upper().endswith("ONLINE")
@@ -255,9 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             env = local_environment(args.state_dir, args.serve_port)
             if args.mlflow_uri:
-                env = Environment(**{**env.__dict__, "mlflow_uri": args.mlflow_uri})
+                env = dataclasses.replace(env, mlflow_uri=args.mlflow_uri)
         if args.routes:
-            env = Environment(**{**env.__dict__, "routes": tuple(args.routes)})
+            env = dataclasses.replace(env, routes=tuple(args.routes))
         with _prefect_api(env.client_env.get("PREFECT_API_URL")):
             if args.worker == "start":
                 lines = [start_worker(args.state_dir, env.client_env, env.work_pool)]

@@ -37,12 +37,12 @@ from tasks.serve import Gates, Serving
 from tasks.tune import DEFAULT_STORAGE_ROOT, StopConditions, SweepConfig
 from workloads import registry
 from workloads import serve_control as sc
+from workloads.serving import VERSION_HEADER
 
 # Two PPO trials on 2 CPUs, each stopped at a training return of 450: held-out greedy returns
 # of 490-500 in about a minute (make demo's measurements); a sweep never runs past 10 minutes.
 DEFAULT_SWEEP = SweepConfig(num_samples=2, max_concurrent_trials=2,
                             stop=StopConditions(episode_return=450.0, sweep_seconds=600))
-VERSION_HEADER = "X-Model-Version"
 
 
 class PipelineResult(BaseModel):
@@ -78,14 +78,14 @@ def served_version(route_url: str) -> str | None:
 def tag_lineage(mlflow_server: MLflowServer, model_name: str, version: str,
                 sweep_flow_run_id: str | None) -> None:
     """The version points back at this pipeline run and at the sweep's flow run."""
-    tags = {"pipeline.flow_run_id": str(flow_run.id or ""),
-            "pipeline.flow_run_url": str(url_for("flow-run", obj_id=flow_run.id) or ""),
-            "tune.flow_run_id": sweep_flow_run_id or ""}
+    tune = {"flow_run_id": sweep_flow_run_id or ""}
     if sweep_flow_run_id:
-        tags["tune.flow_run_url"] = str(url_for("flow-run", obj_id=sweep_flow_run_id) or "")
+        tune["flow_run_url"] = str(url_for("flow-run", obj_id=sweep_flow_run_id) or "")
     with mlflow_server.session() as client:
-        for key, value in tags.items():
-            client.set_model_version_tag(model_name, version, f"{registry.TAG}.{key}", value)
+        registry.tag_verdict(client, model_name, version, "pipeline", {
+            "flow_run_id": str(flow_run.id or ""),
+            "flow_run_url": str(url_for("flow-run", obj_id=flow_run.id) or "")})
+        registry.tag_verdict(client, model_name, version, "tune", tune)
 
 
 @mlflow_task

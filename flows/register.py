@@ -111,8 +111,8 @@ def register_and_promote(
         markdown=(f"**{request.model_name} v{registration.version}** "
                   f"({'new' if registration.created else 'already registered'}): "
                   f"{'promoted to champion' if verdict.promote else 'not promoted'}: "
-                  f"{verdict.reason}\n\nModel: {server.tracking_uri}/#/models/"
-                  f"{request.model_name}/versions/{registration.version}"),
+                  f"{verdict.reason}\n\nModel: "
+                  f"{lineage.model_version_url(server, request.model_name, registration.version)}"),
         description="MLflow registration and promotion verdict")
     return RegistrationResult(model_name=request.model_name, version=registration.version,
                               created=registration.created, promoted=verdict.promote,

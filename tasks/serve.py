@@ -6,6 +6,7 @@ user_config, and every decision reads the router's own per-version request figur
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -240,8 +241,9 @@ def write_router(route: str, config: RouterConfig, runtime_env: dict[str, Any],
                  ) -> RouterConfig:
     """Apply a router config (validated first; a new generation) and wait until the router
     answers with it. Only user_config changes, so running replicas reconfigure in place."""
+    existing = sc.app_names()
     for target in (config.live, config.candidate):
-        if target is not None and not sc.app_exists(target.app):
+        if target is not None and target.app not in existing:
             raise RuntimeError(f"router {route}: target app {target.app} does not exist")
     previous = current_router(route)
     config = RouterConfig.parse({**config.as_dict(),
@@ -439,8 +441,7 @@ def inject(app: str, faults: dict[str, Any]) -> None:
 @stage
 def bake(route: str, live: Target, gates: Gates, since: float) -> dict[str, Any]:
     """Gate 5: watch the new live version for the bake period over a sliding window."""
-    thresholds = Thresholds(gates.max_error_rate, gates.max_p99_ms, gates.max_p99_ratio,
-                            max(gates.canary_min_requests, 10), gates.p99_slack_ms)
+    thresholds = replace(gates.thresholds, min_requests=max(gates.canary_min_requests, 10))
     started = time.time()
     windows = 0
     while time.time() - started < gates.bake_s:

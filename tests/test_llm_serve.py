@@ -109,12 +109,9 @@ def serve_apps(stack, tiny_model, mlflow_version):
                 serve.shutdown()
             # Live handles push metrics every few seconds; after ray.shutdown that push would
             # start a new local Ray in this process.
-            from workloads import serve_control
-
             for handle in (locals().get("local_handle"), locals().get("mlflow_handle")):
                 if handle is not None:
                     handle.shutdown()
-            serve_control.release()
 
 
 def post(url: str, body, *, stream: bool = False, headers: dict | None = None):

@@ -5,7 +5,6 @@ serves it over HTTP, and Prefect recorded the assets from the experiment to the 
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import re
@@ -78,18 +77,6 @@ def asset_event(client, key: str):
             assert events, f"no materialization of {key}"
             return events[0]
         time.sleep(0.5)
-
-
-def post(port: int, route: str) -> tuple[int, str | None, dict]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        connection.request("POST", f"/{route}", json.dumps({"observation": OBSERVATION}),
-                           {"content-type": "application/json"})
-        response = connection.getresponse()
-        return response.status, response.getheader("X-Model-Version"), json.loads(
-            response.read() or b"{}")
-    finally:
-        connection.close()
 
 
 @pytest.fixture
@@ -180,9 +167,9 @@ def test_train_and_ship_deployment_run_serves_its_version(stack, environment, pr
         assert registry.resolve_alias(client, model_name, alias).version == "1"
 
     # The route serves that version over HTTP.
-    status, served, body = post(stack.serve_port, ROUTE)
-    assert (status, served) == (200, "1"), body
-    assert body["action"] in (0, 1) and body["model_version"] == "1"
+    answer = walkback.ask(f"http://127.0.0.1:{stack.serve_port}/{ROUTE}", OBSERVATION)
+    assert (answer["status"], answer["version"]) == (200, "1"), answer
+    assert answer["answer"]["action"] in (0, 1) and answer["answer"]["model_version"] == "1"
 
     # The walk from that answer back to the runs that made it.
     walked = walkback.walk(f"http://127.0.0.1:{stack.serve_port}/{ROUTE}", model_name,

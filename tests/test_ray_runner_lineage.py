@@ -45,15 +45,12 @@ def lineage_flow(marker: str) -> str:
 @pytest.fixture(scope="module")
 def lineage_run(stack, task_runs):
     marker = f"m{time.monotonic_ns()}"
-    started = time.monotonic()
     state = lineage_flow.with_options(task_runner=stack.ray_cluster().task_runner())(
         marker, return_state=True)
-    elapsed = time.monotonic() - started
     assert state.result() == marker
     flow_run_id = state.state_details.flow_run_id
     (task_run,) = task_runs(flow_run_id, lambda runs: len(runs) == 1)
-    return {"marker": marker, "flow_run_id": flow_run_id, "task_run": task_run,
-            "elapsed": elapsed}
+    return {"marker": marker, "flow_run_id": flow_run_id, "task_run": task_run}
 
 
 def _flow_run(prefect_client, run):

@@ -233,14 +233,13 @@ def test_bad_requests_get_4xx_with_a_message_and_the_replica_stays_healthy(
         serving, body, content_type, status, message):
     app = sc.version_app_name(serving["name"], "2")
     replicas = sc.deployment_state(app, sc.POLICY_DEPLOYMENT)["replicas"]
-    for target in (f"/{ROUTE}",):
-        connection = http.client.HTTPConnection("127.0.0.1", serving["port"], timeout=30)
-        connection.request("POST", target, body, {"content-type": content_type})
-        response = connection.getresponse()
-        payload = json.loads(response.read())
-        assert response.status == status
-        assert message in payload["error"]
-        assert response.getheader("X-Model-Version") == "2"
+    connection = http.client.HTTPConnection("127.0.0.1", serving["port"], timeout=30)
+    connection.request("POST", f"/{ROUTE}", body, {"content-type": content_type})
+    response = connection.getresponse()
+    payload = json.loads(response.read())
+    assert response.status == status
+    assert message in payload["error"]
+    assert response.getheader("X-Model-Version") == "2"
     raw = np.asarray([OBSERVATION, OBSERVATION], dtype="<f4").tobytes()
     connection.request("POST", f"/{ROUTE}", raw, {"content-type": "application/octet-stream"})
     answer = json.loads(connection.getresponse().read())

@@ -40,11 +40,9 @@ def judge(candidate: dict[str, Any] | None, live: dict[str, Any] | None,
     if requests == 0 or requests < thresholds.min_requests:
         return Judgement(None, f"{requests} request(s), fewer than the "
                                f"{max(thresholds.min_requests, 1)} needed to judge")
-    errors = int(candidate["errors"])
-    rate = errors / requests
-    if rate > thresholds.max_error_rate:
-        return Judgement(False, f"error rate {rate:.1%} ({errors} of {requests}) is above "
-                                f"{thresholds.max_error_rate:.1%}")
+    if too_many := _error_failure(candidate, thresholds):
+        return too_many
+    rate = int(candidate["errors"]) / requests
     p99 = candidate.get("p99_ms")
     if p99 is not None and p99 > thresholds.max_p99_ms:
         return Judgement(False, f"p99 latency {p99:.1f} ms is above {thresholds.max_p99_ms:g} ms")
@@ -64,5 +62,13 @@ def early_failure(candidate: dict[str, Any] | None, thresholds: Thresholds,
     """A failure already certain mid-window: enough requests and too many errors."""
     if not candidate or candidate["requests"] < max(min_requests, thresholds.min_requests):
         return None
-    verdict = judge(candidate, None, thresholds)
-    return verdict if verdict.ok is False and "error rate" in verdict.reason else None
+    return _error_failure(candidate, thresholds)
+
+
+def _error_failure(candidate: dict[str, Any], thresholds: Thresholds) -> Judgement | None:
+    requests, errors = int(candidate["requests"]), int(candidate["errors"])
+    rate = errors / requests
+    if rate > thresholds.max_error_rate:
+        return Judgement(False, f"error rate {rate:.1%} ({errors} of {requests}) is above "
+                                f"{thresholds.max_error_rate:.1%}")
+    return None

@@ -61,19 +61,13 @@ def start(host: str = "127.0.0.1", port: int = 8000) -> Any:
 
 
 def release() -> None:
-    """Before this driver leaves Ray: shut its cached DeploymentHandles down and forget the
-    controller client, so nothing of this session keeps pushing handle metrics."""
-    from ray.serve.context import _disconnect, _get_global_client
-
+    """Before this driver leaves Ray: shut the handles `handle` kept down, so none keeps
+    pushing metrics (RayCluster.connect() then drops Serve's own cache and client)."""
     for key in list(_HANDLES):
         try:
             _HANDLES.pop(key).shutdown()
         except Exception:  # a handle of a deleted app: nothing left to stop
             pass
-    client = _get_global_client(raise_if_no_controller_running=False)
-    if client is not None:
-        client.shutdown_cached_handles()
-    _disconnect()
 
 
 def _client() -> Any:
@@ -145,8 +139,12 @@ def details() -> dict[str, Any]:
     return _client().get_serve_details()
 
 
+def app_names() -> set[str]:
+    return set(details().get("applications", {}))
+
+
 def app_exists(app: str) -> bool:
-    return app in details().get("applications", {})
+    return app in app_names()
 
 
 def deployment_state(app: str, deployment: str) -> dict[str, Any]:

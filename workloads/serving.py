@@ -233,7 +233,6 @@ async def request_dict(request: Any, max_body_bytes: int = MAX_BODY_BYTES) -> di
     """A Starlette request as the plain dict deployments pass to each other. A body over
     the limit is cut at limit + 1 bytes, so the answer is a 413 without reading it all."""
     length = request.headers.get("content-length")
-    body = b""
     if length and length.isdigit() and int(length) > max_body_bytes:
         body = b"\0" * (max_body_bytes + 1)
     else:
