@@ -8,17 +8,16 @@ import os
 import re
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, field_validator
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+from workloads.constants import PROJECT_NAMESPACE, PROJECT_ROOT
+
 # Shipped to every Ray worker through runtime_env py_modules, so a separate cluster can
 # import the tasks and workloads the flow process pickles by reference.
 PROJECT_PACKAGES = ("blocks", "flows", "tasks", "workloads")
-DEFAULT_NAMESPACE = "prefect-ray-lifecycle"
 LOCAL_HOST = "127.0.0.1"
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -94,7 +93,7 @@ class RayCluster(Block):
                      "'ray://host:port': Ray Client."),
     )
     namespace: str = Field(
-        default=DEFAULT_NAMESPACE,
+        default=PROJECT_NAMESPACE,
         min_length=1,
         description="Ray namespace for the job, its named actors and Serve applications.",
     )

@@ -25,8 +25,8 @@ from collections import Counter
 from pathlib import Path
 
 from deployments import local
+from workloads.constants import PROJECT_ROOT
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENT = "train-and-ship/train-and-ship"
 ROUTE = "policy"
 MODEL_NAME = "cartpole-ppo"

@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from workloads.serving import VERSION_HEADER
+from workloads.constants import VERSION_HEADER
 
 DEFAULT_OBSERVATION = [0.01, -0.02, 0.03, 0.04]  # a CartPole observation
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deployments import local
+from workloads.constants import PROJECT_ROOT
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WORK_POOL = "ray-lifecycle-process"
 BLOCK_NAME = "lifecycle"  # what prefect.yaml's `$ref: {block_document_slug: ...}` name
 ROUTES = ("policy",)

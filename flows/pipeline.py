@@ -37,7 +37,7 @@ from tasks.serve import Gates, Serving
 from tasks.tune import DEFAULT_STORAGE_ROOT, StopConditions, SweepConfig
 from workloads import registry
 from workloads import serve_control as sc
-from workloads.serving import VERSION_HEADER
+from workloads.constants import VERSION_HEADER
 
 # Two PPO trials on 2 CPUs, each stopped at a training return of 450: held-out greedy returns
 # of 490-500 in about a minute (make demo's measurements); a sweep never runs past 10 minutes.

@@ -17,9 +17,9 @@ from pydantic import BaseModel, Field
 
 from blocks import MLflowServer
 from workloads import registry
+from workloads.constants import PROJECT_ROOT
 from workloads.promotion import EvalProtocol, Score, Verdict, decide_promotion
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MLFLOW_RETRIES = 4
 MLFLOW_RETRY_DELAYS = [2, 4, 8, 16]
 _CONNECTION_MARKERS = ("Max retries exceeded", "Connection refused", "Connection aborted",

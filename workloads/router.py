@@ -26,21 +26,25 @@ from typing import Any
 import ray
 from ray import serve
 
-from workloads.serving import (
-    MAX_BODY_BYTES,
+from workloads.constants import (
+    POLICY_DEPLOYMENT,
     REQUEST_ID_HEADER,
-    VERSION_HEADER,
-    ModelSpec,
-    PolicyCore,
+    ROUTER_DEPLOYMENT,
+    SERVE_NAMESPACE,
+)
+from workloads.figures import summarize
+from workloads.http import (
+    MAX_BODY_BYTES,
     json_response,
     request_dict,
     request_id,
+    tagged_headers,
     to_response,
 )
+from workloads.serving import ModelSpec, PolicyCore
 
 logger = logging.getLogger("ray.serve")
 
-ROUTER_DEPLOYMENT = "Router"
 STATS_FLUSH_S = 0.25
 LATENCY_SAMPLES = 2000  # per version per flush
 
@@ -64,7 +68,7 @@ class Target:
         if model is not None:
             ModelSpec.parse(model)
         return cls(str(value["version"]), str(value["app"]),
-                   str(value.get("deployment") or "PolicyServer"), model)
+                   str(value.get("deployment") or POLICY_DEPLOYMENT), model)
 
     def as_dict(self) -> dict[str, Any]:
         return {"version": self.version, "app": self.app, "deployment": self.deployment,
@@ -141,20 +145,6 @@ class RouteStats:
                 for version, (requests, errors, latencies) in grouped.items()}
 
 
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[index]
-
-
-def summarize(requests: int, errors: int, latencies: list[float]) -> dict[str, Any]:
-    values = sorted(latencies)
-    return {"requests": requests, "errors": errors,
-            "error_rate": errors / requests if requests else 0.0,
-            "p50_ms": percentile(values, 0.50), "p99_ms": percentile(values, 0.99)}
-
-
 class _StatsBuffer:
     """Counts in the replica; a background task flushes them to the RouteStats actor."""
 
@@ -183,8 +173,8 @@ class _StatsBuffer:
             try:
                 if self.actor is None:
                     self.actor = RouteStats.options(
-                        name=stats_actor_name(self.route), namespace="serve", lifetime="detached",
-                        get_if_exists=True).remote()
+                        name=stats_actor_name(self.route), namespace=SERVE_NAMESPACE,
+                        lifetime="detached", get_if_exists=True).remote()
                 self.actor.record.remote(time.time(), {v: tuple(e) for v, e in pending.items()})
             except Exception:  # stats must never break serving
                 logger.exception("could not record route stats")
@@ -299,7 +289,7 @@ class Router:
             answer = await self._forward(target, req, config.timeout_s)
         self.stats.add(target.version, answer["status"] >= 500,
                        (time.perf_counter() - started) * 1000)
-        answer["headers"] = _tagged(answer["headers"], target.version, rid)
+        answer["headers"] = tagged_headers(answer["headers"], target.version, rid)
         return to_response(answer)
 
     async def _forward_stream(self, target: Target, req: dict[str, Any], timeout_s: float,
@@ -320,7 +310,7 @@ class Router:
                       else f"{type(error).__name__}: {str(error)[-300:]}")
             answer = json_response(status, {"error": f"v{target.version}: {reason}"})
             self.stats.add(target.version, True, (time.perf_counter() - started) * 1000)
-            answer["headers"] = _tagged(answer["headers"], target.version, rid)
+            answer["headers"] = tagged_headers(answer["headers"], target.version, rid)
             return to_response(answer)
 
         async def chunks():
@@ -334,7 +324,7 @@ class Router:
             finally:
                 self.stats.add(target.version, failed, (time.perf_counter() - started) * 1000)
 
-        headers = _tagged(head.get("headers", {}), target.version, rid)
+        headers = tagged_headers(head.get("headers", {}), target.version, rid)
         return StreamingResponse(chunks(), status_code=head.get("status", 200), headers=headers)
 
     async def _forward(self, target: Target, req: dict[str, Any], timeout_s: float):
@@ -357,13 +347,6 @@ class Router:
             message = str(error).strip().splitlines()[-1] if str(error).strip() else ""
             return json_response(502, {"error": f"v{target.version} failed: "
                                                 f"{type(error).__name__}: {message[:300]}"})
-
-
-def _tagged(headers: dict[str, str], version: str, rid: str) -> dict[str, str]:
-    """The answer's headers with the router's version and request id (one of each)."""
-    ours = {VERSION_HEADER.lower(), REQUEST_ID_HEADER.lower()}
-    kept = {k: v for k, v in headers.items() if k.lower() not in ours}
-    return {**kept, VERSION_HEADER: version, REQUEST_ID_HEADER: rid}
 
 
 def _wants_stream(req: dict[str, Any]) -> bool:
@@ -393,4 +376,4 @@ def build_router_app(args: dict[str, Any]) -> Any:
 
 
 __all__ = ["Router", "RouterConfig", "RouteStats", "Target", "build_router_app",
-           "stats_actor_name", "summarize"]
+           "stats_actor_name"]

@@ -17,12 +17,11 @@ from typing import Any
 
 import ray
 
-from workloads.router import ROUTER_DEPLOYMENT, RouterConfig, stats_actor_name
+from workloads.constants import POLICY_DEPLOYMENT, ROUTER_DEPLOYMENT, SERVE_NAMESPACE
+from workloads.router import RouterConfig, stats_actor_name
 
 POLICY_IMPORT = "workloads.serving:build_policy_app"
 ROUTER_IMPORT = "workloads.router:build_router_app"
-POLICY_DEPLOYMENT = "PolicyServer"
-SERVE_NAMESPACE = "serve"
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 

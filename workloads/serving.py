@@ -12,30 +12,27 @@ import json
 import logging
 import random
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from workloads.constants import POLICY_DEPLOYMENT, REQUEST_ID_HEADER, VERSION_HEADER
+from workloads.http import (
+    JSON_TYPE,
+    MAX_BODY_BYTES,
+    RAW_TYPE,
+    BadRequest,
+    json_response,
+    request_dict,
+    request_id,
+    to_response,
+)
+
 logger = logging.getLogger("ray.serve")
 
-MAX_BODY_BYTES = 1 << 20
 MAX_BATCH = 4096
-VERSION_HEADER = "X-Model-Version"
-REQUEST_ID_HEADER = "X-Request-Id"
-JSON_TYPE = "application/json"
-RAW_TYPE = "application/octet-stream"
-
-
-class BadRequest(Exception):
-    """A request the model cannot act on: answered with `status` and `message`, never 500."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -223,43 +220,6 @@ def _plain(value: Any) -> Any:
     return array.item() if array.ndim == 0 else array.tolist()
 
 
-def json_response(status: int, body: dict[str, Any],
-                  headers: dict[str, str] | None = None) -> dict[str, Any]:
-    return {"status": status, "headers": {"content-type": JSON_TYPE, **(headers or {})},
-            "body": json.dumps(body).encode()}
-
-
-async def request_dict(request: Any, max_body_bytes: int = MAX_BODY_BYTES) -> dict[str, Any]:
-    """A Starlette request as the plain dict deployments pass to each other. A body over
-    the limit is cut at limit + 1 bytes, so the answer is a 413 without reading it all."""
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > max_body_bytes:
-        body = b"\0" * (max_body_bytes + 1)
-    else:
-        chunks = []
-        size = 0
-        async for chunk in request.stream():
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > max_body_bytes:
-                break
-        body = b"".join(chunks)
-    return {"method": request.method, "path": request.url.path,
-            "query": request.url.query, "headers": dict(request.headers), "body": body}
-
-
-def to_response(answer: dict[str, Any]) -> Any:
-    from starlette.responses import Response
-
-    return Response(content=answer["body"], status_code=answer["status"],
-                    headers=answer["headers"])
-
-
-def request_id(headers: dict[str, str]) -> str:
-    given = headers.get(REQUEST_ID_HEADER.lower(), "")
-    return given[:128] if given else uuid.uuid4().hex
-
-
 @dataclass(frozen=True)
 class Faults:
     """Faults a drill injects into one version's app, to rehearse the rollout gates:
@@ -300,7 +260,7 @@ class InjectedFault(RuntimeError):
 from ray import serve  # noqa: E402  (after the Serve-free part above)
 
 
-@serve.deployment(name="PolicyServer", max_ongoing_requests=32, health_check_period_s=2.0,
+@serve.deployment(name=POLICY_DEPLOYMENT, max_ongoing_requests=32, health_check_period_s=2.0,
                   health_check_timeout_s=10.0)
 class PolicyServer:
     """One policy version as its own Serve application (no route of its own: the router
