@@ -24,8 +24,12 @@ TARGET_RETURN = 450.0
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2)
-    parser.add_argument("--max-seconds", type=float, default=900,
-                        help="wall-time cap for the sweep (the trial stops there unsolved)")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=900,
+        help="wall-time cap for the sweep (the trial stops there unsolved)",
+    )
     parser.add_argument("--episodes", type=int, default=10, help="evaluation episodes")
     args = parser.parse_args(argv)
 
@@ -34,25 +38,45 @@ def main(argv: list[str] | None = None) -> int:
     from flows.tune_sweep import tune_sweep
     from tasks.tune import SweepConfig
 
-    sweep = SweepConfig(search_space={}, num_samples=1, scheduler={"kind": "fifo"},
-                        stop={"episode_return": TARGET_RETURN,
-                              "sweep_seconds": args.max_seconds})
+    sweep = SweepConfig(
+        search_space={},
+        num_samples=1,
+        scheduler={"kind": "fifo"},
+        stop={"episode_return": TARGET_RETURN, "sweep_seconds": args.max_seconds},
+    )
     work = Path(tempfile.mkdtemp(prefix="bench-cartpole-"))
     try:
         with prefect_api():
             start = time.perf_counter()
-            result = tune_sweep(sweep=sweep, ray_cluster=RayCluster(num_cpus=args.num_cpus),
-                                storage_root=str(work / "sweeps"),
-                                evaluation_episodes=args.episodes)
+            result = tune_sweep(
+                sweep=sweep,
+                ray_cluster=RayCluster(num_cpus=args.num_cpus),
+                storage_root=str(work / "sweeps"),
+                evaluation_episodes=args.episodes,
+            )
             seconds = time.perf_counter() - start
         best_return = result.metrics["best_return"]
-        print(json.dumps({"solved": best_return >= TARGET_RETURN,
-                          "best_training_return": round(best_return, 1),
-                          "iterations": result.metrics["iterations"],
-                          "max_seconds": args.max_seconds, "num_cpus": args.num_cpus,
-                          "hyperparameters": sweep.hyperparameters}))
-        print(json.dumps({"seconds": round(seconds, 1), "env_steps": result.metrics["env_steps"],
-                          "eval_return_mean": round(result.evaluation.mean_return, 1)}))
+        print(
+            json.dumps(
+                {
+                    "solved": best_return >= TARGET_RETURN,
+                    "best_training_return": round(best_return, 1),
+                    "iterations": result.metrics["iterations"],
+                    "max_seconds": args.max_seconds,
+                    "num_cpus": args.num_cpus,
+                    "hyperparameters": sweep.hyperparameters,
+                }
+            )
+        )
+        print(
+            json.dumps(
+                {
+                    "seconds": round(seconds, 1),
+                    "env_steps": result.metrics["env_steps"],
+                    "eval_return_mean": round(result.evaluation.mean_return, 1),
+                }
+            )
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -45,10 +45,16 @@ def app_args(model: str, device: str, max_model_len: int, python: str | None) ->
     else:
         engine.update(dtype="float32", kv_cache_memory_bytes=256 << 20)
         actor = {"num_cpus": 1}
-    return {"model": model, "served_model_name": SERVED_NAME, "version_label": "bench",
-            "engine": engine, "ray_actor_options": actor, "route_prefix": ROUTE,
-            "max_ongoing_requests": 256,
-            **({"python": python} if python else {})}
+    return {
+        "model": model,
+        "served_model_name": SERVED_NAME,
+        "version_label": "bench",
+        "engine": engine,
+        "ray_actor_options": actor,
+        "route_prefix": ROUTE,
+        "max_ongoing_requests": 256,
+        **({"python": python} if python else {}),
+    }
 
 
 async def load(url: str, requests: int, concurrency: int, max_tokens: int) -> dict:
@@ -56,14 +62,21 @@ async def load(url: str, requests: int, concurrency: int, max_tokens: int) -> di
     and each request's latency in ms."""
     import httpx
 
-    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0}
+    body = {
+        "model": SERVED_NAME,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     latencies: list[float] = []
     tokens = 0
     gate = asyncio.Semaphore(concurrency)
 
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(
-            max_connections=concurrency)) as client:
+    async with httpx.AsyncClient(
+        timeout=120, limits=httpx.Limits(max_connections=concurrency)
+    ) as client:
+
         async def one() -> None:
             nonlocal tokens
             async with gate:
@@ -85,15 +98,22 @@ async def load(url: str, requests: int, concurrency: int, max_tokens: int) -> di
 def summarize(run: dict) -> dict:
     latencies = sorted(run["latencies_ms"])
     p99_index = min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))
-    return {"tokens_per_s": round(run["tokens"] / run["wall_s"], 1),
-            "p50_ms": round(statistics.median(latencies), 1),
-            "p99_ms": round(latencies[p99_index], 1),
-            "requests": len(latencies), "tokens": run["tokens"], "wall_s": round(run["wall_s"], 2)}
+    return {
+        "tokens_per_s": round(run["tokens"] / run["wall_s"], 1),
+        "p50_ms": round(statistics.median(latencies), 1),
+        "p99_ms": round(latencies[p99_index], 1),
+        "requests": len(latencies),
+        "tokens": run["tokens"],
+        "wall_s": round(run["wall_s"], 2),
+    }
 
 
 def merge(runs: list[dict]) -> dict:
-    return {"wall_s": sum(r["wall_s"] for r in runs), "tokens": sum(r["tokens"] for r in runs),
-            "latencies_ms": [x for r in runs for x in r["latencies_ms"]]}
+    return {
+        "wall_s": sum(r["wall_s"] for r in runs),
+        "tokens": sum(r["tokens"] for r in runs),
+        "latencies_ms": [x for r in runs for x in r["latencies_ms"]],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     parser.add_argument("--python", help="the LLM venv's python (default .venv-llm/bin/python)")
     parser.add_argument("--address", default="", help="Ray address; '' starts a local Ray")
-    parser.add_argument("--num-cpus", type=int, default=4,
-                        help="logical CPUs of the local Ray (oversubscribed on purpose)")
+    parser.add_argument(
+        "--num-cpus",
+        type=int,
+        default=4,
+        help="logical CPUs of the local Ray (oversubscribed on purpose)",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
 
@@ -125,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="bench-llm-"))
     try:
         model = args.model or str(build_tiny_llm(workdir / "tiny", python=args.python))
-        cluster = RayCluster(address=args.address,
-                             num_cpus=None if args.address else args.num_cpus)
+        cluster = RayCluster(address=args.address, num_cpus=None if args.address else args.num_cpus)
         with cluster.connect():
             from ray.serve.context import _get_global_client
 
@@ -136,23 +159,33 @@ def main(argv: list[str] | None = None) -> int:
                 serve.start(http_options={"host": local.HOST, "port": port})
             try:
                 started = time.perf_counter()
-                deploy_llm_app(app_args(model, device, args.max_model_len, args.python),
-                               name=APP_NAME)
+                deploy_llm_app(
+                    app_args(model, device, args.max_model_len, args.python), name=APP_NAME
+                )
                 deploy_s = time.perf_counter() - started
                 http_port = _get_global_client().http_config.port
                 router = sc.router_app_config(
-                    ROUTER_ROUTE, RouterConfig(live=Target("bench", APP_NAME, "LLMServer"),
-                                               timeout_s=120),
-                    serving_runtime_env(cluster), {"max_ongoing_requests": 256})
+                    ROUTER_ROUTE,
+                    RouterConfig(live=Target("bench", APP_NAME, "LLMServer"), timeout_s=120),
+                    serving_runtime_env(cluster),
+                    {"max_ongoing_requests": 256},
+                )
                 sc.apply({router["name"]: router})
                 sc.wait_router(ROUTER_ROUTE, 0, timeout_s=120)
                 base = f"http://{local.HOST}:{http_port}"
                 runs: dict[str, list[dict]] = {"router": [], "direct": []}
                 for _ in range(args.rounds):
                     for side, prefix in (("router", f"/{ROUTER_ROUTE}"), ("direct", ROUTE)):
-                        runs[side].append(asyncio.run(load(
-                            f"{base}{prefix}/v1/completions", args.requests,
-                            args.concurrency, args.max_tokens)))
+                        runs[side].append(
+                            asyncio.run(
+                                load(
+                                    f"{base}{prefix}/v1/completions",
+                                    args.requests,
+                                    args.concurrency,
+                                    args.max_tokens,
+                                )
+                            )
+                        )
                 direct = summarize(merge(runs["direct"]))
                 routed = summarize(merge(runs["router"]))
             finally:
@@ -163,14 +196,25 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    print(f"direct: {direct}\nrouter: {routed}\n(deploy {deploy_s:.1f} s, {args.rounds} "
-          f"rounds of {args.requests} requests x {args.max_tokens} tokens, "
-          f"{args.concurrency} at a time, device {device})")
-    print(json.dumps({"device": device, "router_tokens_per_s": routed["tokens_per_s"],
-                      "direct_tokens_per_s": direct["tokens_per_s"],
-                      "ratio": round(routed["tokens_per_s"] / direct["tokens_per_s"], 3),
-                      "p50_ms": routed["p50_ms"], "p99_ms": routed["p99_ms"],
-                      "direct_p50_ms": direct["p50_ms"], "direct_p99_ms": direct["p99_ms"]}))
+    print(
+        f"direct: {direct}\nrouter: {routed}\n(deploy {deploy_s:.1f} s, {args.rounds} "
+        f"rounds of {args.requests} requests x {args.max_tokens} tokens, "
+        f"{args.concurrency} at a time, device {device})"
+    )
+    print(
+        json.dumps(
+            {
+                "device": device,
+                "router_tokens_per_s": routed["tokens_per_s"],
+                "direct_tokens_per_s": direct["tokens_per_s"],
+                "ratio": round(routed["tokens_per_s"] / direct["tokens_per_s"], 3),
+                "p50_ms": routed["p50_ms"],
+                "p99_ms": routed["p99_ms"],
+                "direct_p50_ms": direct["p50_ms"],
+                "direct_p99_ms": direct["p99_ms"],
+            }
+        )
+    )
     return 0
 
 

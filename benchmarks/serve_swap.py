@@ -43,8 +43,9 @@ class ClosedLoop:
         while not self._stop.is_set():
             started = time.perf_counter()
             try:
-                connection.request("POST", self.path, OBSERVATION,
-                                   {"content-type": "application/json"})
+                connection.request(
+                    "POST", self.path, OBSERVATION, {"content-type": "application/json"}
+                )
                 response = connection.getresponse()
                 response.read()
                 status, version = response.status, response.getheader("X-Model-Version")
@@ -52,8 +53,7 @@ class ClosedLoop:
                 status, version = 0, None
                 connection.close()
                 connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-            results.append((time.time(), status, version,
-                            (time.perf_counter() - started) * 1000))
+            results.append((time.time(), status, version, (time.perf_counter() - started) * 1000))
         self.results.extend(results)
 
     def __enter__(self) -> ClosedLoop:
@@ -68,9 +68,11 @@ class ClosedLoop:
 
     def summary(self) -> dict[str, Any]:
         latencies = sorted(r[3] for r in self.results)
-        return {"requests": len(self.results),
-                "non_2xx": sum(1 for r in self.results if not 200 <= r[1] < 300),
-                "p99_ms": round(float(np.percentile(latencies, 99)), 1) if latencies else None}
+        return {
+            "requests": len(self.results),
+            "non_2xx": sum(1 for r in self.results if not 200 <= r[1] < 300),
+            "p99_ms": round(float(np.percentile(latencies, 99)), 1) if latencies else None,
+        }
 
 
 def steady(port: int, path: str, threads: int, seconds: float) -> tuple[float, float]:
@@ -92,9 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     from deployments.stack import temporary_stack
 
     with temporary_stack(ray_num_cpus=4, prefix="bench-serve-") as stack:
-        os.environ.update(PREFECT_API_URL=stack.prefect_api_url,
-                          MLFLOW_TRACKING_URI=stack.mlflow_uri, RAY_AUTH_MODE="token",
-                          RAY_AUTH_TOKEN_PATH=str(stack.state_dir / "ray_auth_token"))
+        os.environ.update(
+            PREFECT_API_URL=stack.prefect_api_url,
+            MLFLOW_TRACKING_URI=stack.mlflow_uri,
+            RAY_AUTH_MODE="token",
+            RAY_AUTH_TOKEN_PATH=str(stack.state_dir / "ray_auth_token"),
+        )
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         with temporary_settings(updates={PREFECT_API_URL: stack.prefect_api_url}):
@@ -117,9 +122,18 @@ def run(stack, threads: int, steady_s: float) -> dict[str, Any]:
     server = MLflowServer(tracking_uri=stack.mlflow_uri)
     client = MlflowClient(stack.mlflow_uri)
     name = f"bench-{uuid.uuid4().hex[:6]}"
-    gates = Gates(health_timeout_s=180, stability_window_s=4, canary_steps=[0.1, 0.5],
-                  canary_hold_s=4, canary_min_requests=10, bake_s=8, bake_window_s=2,
-                  max_error_rate=0.02, max_p99_ms=5000, p99_slack_ms=1000)
+    gates = Gates(
+        health_timeout_s=180,
+        stability_window_s=4,
+        canary_steps=[0.1, 0.5],
+        canary_hold_s=4,
+        canary_min_requests=10,
+        bake_s=8,
+        bake_window_s=2,
+        max_error_rate=0.02,
+        max_p99_ms=5000,
+        p99_slack_ms=1000,
+    )
     serving = Serving(num_cpus=0.25, health_check_period_s=1, router_num_cpus=0.25)
     port = stack.serve_port
     figures: dict[str, Any] = {}
@@ -130,16 +144,32 @@ def run(stack, threads: int, steady_s: float) -> dict[str, Any]:
         algo.stop()
         for trial in range(5):
             registry.register_checkpoint(
-                client, name=name, checkpoint=checkpoint, experiment_name="bench",
-                trial_key_value=f"{name}-{trial}", params={}, metrics={}, tags={},
-                description="", artifacts={}, observation_size=4)
+                client,
+                name=name,
+                checkpoint=checkpoint,
+                experiment_name="bench",
+                trial_key_value=f"{name}-{trial}",
+                params={},
+                metrics={},
+                tags={},
+                description="",
+                artifacts={},
+                observation_size=4,
+            )
         sc.start(cluster.serve_host, port)
 
         def rollout(version: int, drill: Drill | None = None, expect_failure: bool = False):
             try:
-                return serve_rollout(model_name=name, version=str(version), route=ROUTE,
-                                     gates=gates, serving=serving, drill=drill,
-                                     ray_cluster=cluster, mlflow_server=server)
+                return serve_rollout(
+                    model_name=name,
+                    version=str(version),
+                    route=ROUTE,
+                    gates=gates,
+                    serving=serving,
+                    drill=drill,
+                    ray_cluster=cluster,
+                    mlflow_server=server,
+                )
             except RolloutFailed:
                 if not expect_failure:
                     raise
@@ -164,8 +194,11 @@ def run(stack, threads: int, steady_s: float) -> dict[str, Any]:
         figures["canary_abort"] = {
             **load.summary(),
             "errors_from_candidate": sum(1 for r in load.results if r[1] != 200 and r[2] == "4"),
-            "errors_outside_canary": sum(1 for r in load.results if r[1] != 200 and not (
-                started <= r[0] <= ended and r[2] == "4")),
+            "errors_outside_canary": sum(
+                1
+                for r in load.results
+                if r[1] != 200 and not (started <= r[0] <= ended and r[2] == "4")
+            ),
             "canary_share": round(len(at) / max(len(during), 1), 3),
             "canary_s": round(at[-1] - at[0], 2) if at else 0.0,
         }
@@ -174,34 +207,52 @@ def run(stack, threads: int, steady_s: float) -> dict[str, Any]:
             rollout(5, Drill(after_swap={"error_rate": 1.0}), expect_failure=True)
             time.sleep(1)
         failed = [r[0] for r in load.results if r[1] != 200]
-        figures["rollback"] = {**load.summary(), "seconds_to_rollback":
-                               round(max(failed) - min(failed), 2) if failed else None}
+        figures["rollback"] = {
+            **load.summary(),
+            "seconds_to_rollback": round(max(failed) - min(failed), 2) if failed else None,
+        }
 
         # Steady state: the router hosts v2 in process; a second app of v2 gets its own route.
         live = registry.resolve_alias(client, name, registry.LIVE).version
         runtime_env = sc.app_configs()[sc.version_app_name(name, live)]["runtime_env"]
-        app = sc.version_app_config(DIRECT, {"name": name, "version": live,
-                                             "tracking_uri": stack.mlflow_uri},
-                                    serving.version_options(), {}, runtime_env)
+        app = sc.version_app_config(
+            DIRECT,
+            {"name": name, "version": live, "tracking_uri": stack.mlflow_uri},
+            serving.version_options(),
+            {},
+            runtime_env,
+        )
         sc.apply({DIRECT: {**app, "route_prefix": f"/{DIRECT}"}})
         if not sc.wait_stable(DIRECT, sc.POLICY_DEPLOYMENT, timeout_s=180, window_s=1).healthy:
             raise RuntimeError("the direct app did not start")
-        sc.wait_router(ROUTE, sc.router_status(ROUTE, 1)[0]["config"]["generation"],
-                       inline_version=live, timeout_s=120)
+        sc.wait_router(
+            ROUTE,
+            sc.router_status(ROUTE, 1)[0]["config"]["generation"],
+            inline_version=live,
+            timeout_s=120,
+        )
         router_runs, direct_runs = [], []
         for _ in range(2):
             router_runs.append(steady(port, f"/{ROUTE}", threads, steady_s))
             direct_runs.append(steady(port, f"/{DIRECT}", threads, steady_s))
-        sc.apply(deletes={a for a in sc.app_configs() if a.startswith(name) or a in (
-            DIRECT, sc.router_app_name(ROUTE))})
+        sc.apply(
+            deletes={
+                a
+                for a in sc.app_configs()
+                if a.startswith(name) or a in (DIRECT, sc.router_app_name(ROUTE))
+            }
+        )
 
     router_rps = sum(r[0] for r in router_runs) / 2
     direct_rps = sum(r[0] for r in direct_runs) / 2
-    return {**figures,
-            "router_vs_direct_throughput": round(router_rps / direct_rps, 3),
-            "router_rps": round(router_rps, 1), "direct_rps": round(direct_rps, 1),
-            "router_p50_ms": round(sum(r[1] for r in router_runs) / 2, 2),
-            "direct_p50_ms": round(sum(r[1] for r in direct_runs) / 2, 2)}
+    return {
+        **figures,
+        "router_vs_direct_throughput": round(router_rps / direct_rps, 3),
+        "router_rps": round(router_rps, 1),
+        "direct_rps": round(direct_rps, 1),
+        "router_p50_ms": round(sum(r[1] for r in router_runs) / 2, 2),
+        "direct_p50_ms": round(sum(r[1] for r in direct_runs) / 2, 2),
+    }
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ def run(tasks: int) -> dict:
     cluster = RayCluster(num_cpus=2)
     ray.init("local", **cluster.init_kwargs())
     try:
+
         @ray.remote
         def plain(i: int) -> int:
             return i
@@ -55,8 +56,10 @@ def run(tasks: int) -> dict:
         plain_ms = (time.perf_counter() - started) * 1000 / tasks
 
         results = {}
-        for name, runner in (("stock", RayTaskRunner()),
-                             ("ours", ProjectRayTaskRunner(cluster=cluster))):
+        for name, runner in (
+            ("stock", RayTaskRunner()),
+            ("ours", ProjectRayTaskRunner(cluster=cluster)),
+        ):
             measured = fan_out.with_options(task_runner=runner)
             measured(WARMUP_TASKS)  # worker processes import Prefect once
             started = time.perf_counter()
@@ -64,8 +67,12 @@ def run(tasks: int) -> dict:
             results[name] = (time.perf_counter() - started) * 1000 / tasks
     finally:
         ray.shutdown()
-    return {"tasks": tasks, "ours_ms": round(results["ours"], 2),
-            "stock_ms": round(results["stock"], 2), "plain_ray_ms": round(plain_ms, 3)}
+    return {
+        "tasks": tasks,
+        "ours_ms": round(results["ours"], 2),
+        "stock_ms": round(results["stock"], 2),
+        "plain_ray_ms": round(plain_ms, 3),
+    }
 
 
 if __name__ == "__main__":

@@ -23,16 +23,20 @@ def parse_uri(field: str, value: str) -> str:
     uri = value.strip()
     parsed = urlparse(uri)
     if parsed.scheme not in _SCHEMES:
-        raise ValueError(f"{field} {value!r} is not an MLflow URI: expected one of "
-                         f"{', '.join(s + '://' for s in _SCHEMES)}")
+        raise ValueError(
+            f"{field} {value!r} is not an MLflow URI: expected one of "
+            f"{', '.join(s + '://' for s in _SCHEMES)}"
+        )
     if parsed.scheme in ("http", "https"):
         try:
             port = parsed.port
         except ValueError:
             port = -1
         if not parsed.hostname or port == -1:
-            raise ValueError(f"{field} {value!r} is not an MLflow URI: it needs a host "
-                             f"(and a valid port, if any), e.g. http://127.0.0.1:5000")
+            raise ValueError(
+                f"{field} {value!r} is not an MLflow URI: it needs a host "
+                f"(and a valid port, if any), e.g. http://127.0.0.1:5000"
+            )
     return uri.rstrip("/")
 
 
@@ -55,9 +59,11 @@ class MLflowServer(Block):
         default=2,
         ge=0,
         le=10,
-        description=("HTTP retries inside MLflow's client per request (its default, 7, can hang "
-                     "for minutes); the flows add their own bounded retries on connection "
-                     "errors on top."),
+        description=(
+            "HTTP retries inside MLflow's client per request (its default, 7, can hang "
+            "for minutes); the flows add their own bounded retries on connection "
+            "errors on top."
+        ),
     )
     token: SecretStr | None = Field(
         default=None,

@@ -20,8 +20,10 @@ from workloads.constants import PROJECT_NAMESPACE, PROJECT_ROOT
 PROJECT_PACKAGES = ("blocks", "flows", "tasks", "workloads")
 LOCAL_HOST = "127.0.0.1"
 
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
 
 
 def _valid_host(host: str) -> bool:
@@ -47,11 +49,17 @@ def parse_address(value: str) -> str:
         return address
     rest = address.removeprefix("ray://")
     host, sep, port = rest.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 \
-            or not _valid_host(host):
+    if (
+        not sep
+        or not host
+        or not port.isdigit()
+        or not 0 < int(port) < 65536
+        or not _valid_host(host)
+    ):
         raise ValueError(
             f"address {value!r} is not a Ray address: use '' (embedded local Ray), 'auto', "
-            f"'host:port' (a `ray start --head` GCS address) or 'ray://host:port' (Ray Client)")
+            f"'host:port' (a `ray start --head` GCS address) or 'ray://host:port' (Ray Client)"
+        )
     return address
 
 
@@ -82,15 +90,19 @@ class RayCluster(Block):
 
     _block_type_name = "Ray Cluster"
     _block_type_slug = "ray-cluster"
-    _description = ("Where Ray work runs: an embedded local Ray (empty address) or an existing "
-                    "cluster ('auto', 'host:port', 'ray://host:port').")
+    _description = (
+        "Where Ray work runs: an embedded local Ray (empty address) or an existing "
+        "cluster ('auto', 'host:port', 'ray://host:port')."
+    )
 
     address: str = Field(
         default="",
-        description=("Ray address. Empty: start an embedded local Ray for the flow run (its "
-                     "dashboard on 127.0.0.1). 'auto': the cluster this machine belongs to. "
-                     "'host:port': the GCS address of a `ray start --head` cluster. "
-                     "'ray://host:port': Ray Client."),
+        description=(
+            "Ray address. Empty: start an embedded local Ray for the flow run (its "
+            "dashboard on 127.0.0.1). 'auto': the cluster this machine belongs to. "
+            "'host:port': the GCS address of a `ray start --head` cluster. "
+            "'ray://host:port': Ray Client."
+        ),
     )
     namespace: str = Field(
         default=PROJECT_NAMESPACE,
@@ -99,8 +111,10 @@ class RayCluster(Block):
     )
     runtime_env: dict[str, Any] = Field(
         default_factory=dict,
-        description=("Extra Ray runtime_env merged over the project's own (its py_modules are "
-                     "kept; env_vars are merged; other keys are added)."),
+        description=(
+            "Extra Ray runtime_env merged over the project's own (its py_modules are "
+            "kept; env_vars are merged; other keys are added)."
+        ),
     )
     num_cpus: int | None = Field(
         default=None,
@@ -109,20 +123,24 @@ class RayCluster(Block):
     )
     auth_token: SecretStr | None = Field(
         default=None,
-        description=("Token of a cluster that runs Ray's token authentication (RAY_AUTH_MODE="
-                     "token, the default for new clusters in Ray 2.60). Empty: Ray's own lookup "
-                     "(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token)."),
+        description=(
+            "Token of a cluster that runs Ray's token authentication (RAY_AUTH_MODE="
+            "token, the default for new clusters in Ray 2.60). Empty: Ray's own lookup "
+            "(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token)."
+        ),
     )
     dashboard_url: str | None = Field(
         default=None,
-        description=("Ray dashboard URL to link from flow runs; found from the connection "
-                     "when empty."),
+        description=(
+            "Ray dashboard URL to link from flow runs; found from the connection when empty."
+        ),
     )
 
     serve_host: str = Field(
         default=LOCAL_HOST,
-        description=("Host the Serve HTTP proxy binds when this project starts Serve "
-                     "(loopback by default)."),
+        description=(
+            "Host the Serve HTTP proxy binds when this project starts Serve (loopback by default)."
+        ),
     )
     serve_port: int = Field(
         default=8000,
@@ -141,7 +159,8 @@ class RayCluster(Block):
     def _check_runtime_env(cls, value: dict[str, Any]) -> dict[str, Any]:
         env_vars = value.get("env_vars", {})
         if not isinstance(env_vars, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()):
+            isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()
+        ):
             raise ValueError(f"runtime_env.env_vars must map strings to strings, got {env_vars!r}")
         py_modules = value.get("py_modules", [])
         if not isinstance(py_modules, list):

@@ -87,7 +87,8 @@ def prefect_api_url() -> str:
     if not settings.server.ephemeral.enabled:
         raise PrefectAPIUnavailable(
             "PREFECT_API_URL is not set and ephemeral mode is off: Ray workers would have no "
-            "Prefect API to record task runs in")
+            "Prefect API to record task runs in"
+        )
     from prefect.server.api.server import SubprocessASGIServer
 
     server = SubprocessASGIServer()
@@ -116,12 +117,15 @@ KV_NAMESPACE = "prefect-ray-lifecycle"
 # Ray task names carry their Prefect ids: "<task> [flow_run=<id> task_run=<id>]" for the Ray
 # task running a Prefect task run, "<function> [flow_run=<id> from_task_run=<id>]" for Ray
 # tasks started (at any depth) from inside one.
-_NAME_TAG = re.compile(r" \[flow_run=(?P<flow_run>[0-9a-f-]{36}) "
-                       r"(?P<kind>task_run|from_task_run)=(?P<task_run>[0-9a-f-]{36})\]$")
+_NAME_TAG = re.compile(
+    r" \[flow_run=(?P<flow_run>[0-9a-f-]{36}) "
+    r"(?P<kind>task_run|from_task_run)=(?P<task_run>[0-9a-f-]{36})\]$"
+)
 
 
-def ray_task_name(name: str, flow_run_id: UUID | str, task_run_id: UUID | str,
-                  started_from: bool = False) -> str:
+def ray_task_name(
+    name: str, flow_run_id: UUID | str, task_run_id: UUID | str, started_from: bool = False
+) -> str:
     kind = "from_task_run" if started_from else "task_run"
     return f"{name} [flow_run={flow_run_id} {kind}={task_run_id}]"
 
@@ -138,8 +142,11 @@ def ray_dashboard_url(cluster: RayCluster, ray_context: Any = None) -> str | Non
     """The block's dashboard URL, else the one Ray reports for this connection."""
     import ray
 
-    url = (cluster.dashboard_url or getattr(ray_context, "dashboard_url", None)
-           or (ray._private.worker.get_dashboard_url() if ray.is_initialized() else None))
+    url = (
+        cluster.dashboard_url
+        or getattr(ray_context, "dashboard_url", None)
+        or (ray._private.worker.get_dashboard_url() if ray.is_initialized() else None)
+    )
     if not url:
         return None
     url = url.rstrip("/")
@@ -207,7 +214,8 @@ class _ChildTaskLogs:
         started = time.monotonic()
         deadline = started + cls.DRAIN_LIMIT_S
         while time.monotonic() < deadline and (
-                time.monotonic() - max(started, cls._last_line) < cls.QUIET_S):
+            time.monotonic() - max(started, cls._last_line) < cls.QUIET_S
+        ):
             time.sleep(0.05)
         _TaskRunLogs.wait_sent(max(0.0, deadline - time.monotonic()) + 1.0)
 
@@ -224,7 +232,8 @@ class _ChildTaskLogs:
             cls._users += 1
             if cls._users == 1:
                 global_worker_stdstream_dispatcher.add_handler(
-                    cls.HANDLER, lambda data: cls._forward_safely(api_url, data))
+                    cls.HANDLER, lambda data: cls._forward_safely(api_url, data)
+                )
         return True
 
     @classmethod
@@ -257,10 +266,19 @@ class _ChildTaskLogs:
         flow_run_id, task_run_id, _ = ids
         function = _NAME_TAG.sub("", data["task_name"])
         timestamp = datetime.datetime.now(datetime.UTC).isoformat()
-        body = orjson.dumps([{
-            "name": f"ray.{function}", "level": 20, "message": line,
-            "timestamp": timestamp, "flow_run_id": flow_run_id, "task_run_id": task_run_id,
-        } for line in data["lines"]])
+        body = orjson.dumps(
+            [
+                {
+                    "name": f"ray.{function}",
+                    "level": 20,
+                    "message": line,
+                    "timestamp": timestamp,
+                    "flow_run_id": flow_run_id,
+                    "task_run_id": task_run_id,
+                }
+                for line in data["lines"]
+            ]
+        )
         _ChildTaskLogs._last_line = time.monotonic()
         _TaskRunLogs._sender().put((api_url, body))
 
@@ -290,10 +308,13 @@ def _tag_child_tasks() -> None:
         if not options.get("name"):
             ids = prefect_ids_in_name(ray.get_runtime_context().get_task_name())
             if ids is not None:
-                function = getattr(self._function_descriptor, "function_name", "") or \
-                    self._function_name.rsplit(".", 1)[-1]
-                options["name"] = ray_task_name(function.rsplit(".", 1)[-1], ids[0],
-                                                ids[1], started_from=True)
+                function = (
+                    getattr(self._function_descriptor, "function_name", "")
+                    or self._function_name.rsplit(".", 1)[-1]
+                )
+                options["name"] = ray_task_name(
+                    function.rsplit(".", 1)[-1], ids[0], ids[1], started_from=True
+                )
                 if ids[0] not in flagged:  # the driver then waits for their logs
                     from ray.experimental.internal_kv import _internal_kv_put
 
@@ -311,11 +332,21 @@ def _by_value(*functions: Any) -> Any:
     (about a second per fresh worker)."""
     import types
 
-    namespace: dict[str, Any] = {"__name__": "prefect_ray_by_value", "re": re, "time": time,
-                                 "_NAME_TAG": _NAME_TAG, "KV_NAMESPACE": KV_NAMESPACE}
+    namespace: dict[str, Any] = {
+        "__name__": "prefect_ray_by_value",
+        "re": re,
+        "time": time,
+        "_NAME_TAG": _NAME_TAG,
+        "KV_NAMESPACE": KV_NAMESPACE,
+    }
     for function in functions:
-        copy = types.FunctionType(function.__code__, namespace, function.__name__,
-                                  function.__defaults__, function.__closure__)
+        copy = types.FunctionType(
+            function.__code__,
+            namespace,
+            function.__name__,
+            function.__defaults__,
+            function.__closure__,
+        )
         copy.__module__, copy.__qualname__ = namespace["__name__"], function.__qualname__
         namespace[function.__name__] = copy
     return namespace[functions[-1].__name__]
@@ -338,8 +369,10 @@ class ProjectRayTaskRunner(RayTaskRunner):
         crash_backoff_s: float = CRASH_BACKOFF_S,
     ):
         if crash_retries < 0 or crash_backoff_s < 0:
-            raise ValueError(f"crash_retries ({crash_retries}) and crash_backoff_s "
-                             f"({crash_backoff_s}) must be >= 0")
+            raise ValueError(
+                f"crash_retries ({crash_retries}) and crash_backoff_s "
+                f"({crash_backoff_s}) must be >= 0"
+            )
         self.cluster = cluster or RayCluster()
         self.crash_retries = crash_retries
         self.crash_backoff_s = crash_backoff_s
@@ -349,17 +382,25 @@ class ProjectRayTaskRunner(RayTaskRunner):
         self._worker_settings: dict[str, Any] | None = None
         self._flow_run_id: UUID | None = None
         self._child_logs = False  # this runner holds a share of _ChildTaskLogs' handler
-        super().__init__(address=self.cluster.ray_init_address,
-                         init_kwargs=self.cluster.init_kwargs())
+        super().__init__(
+            address=self.cluster.ray_init_address, init_kwargs=self.cluster.init_kwargs()
+        )
 
     def duplicate(self) -> ProjectRayTaskRunner:
-        return type(self)(cluster=self.cluster, remote_defaults=self.remote_defaults,
-                          crash_retries=self.crash_retries, crash_backoff_s=self.crash_backoff_s)
+        return type(self)(
+            cluster=self.cluster,
+            remote_defaults=self.remote_defaults,
+            crash_retries=self.crash_retries,
+            crash_backoff_s=self.crash_backoff_s,
+        )
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, ProjectRayTaskRunner) and self.cluster == other.cluster
-                and self.remote_defaults == other.remote_defaults
-                and self.crash_retries == other.crash_retries)
+        return (
+            isinstance(other, ProjectRayTaskRunner)
+            and self.cluster == other.cluster
+            and self.remote_defaults == other.remote_defaults
+            and self.crash_retries == other.crash_retries
+        )
 
     def __enter__(self) -> ProjectRayTaskRunner:
         import ray
@@ -400,10 +441,10 @@ class ProjectRayTaskRunner(RayTaskRunner):
 
         try:
             job_id = ray.get_runtime_context().get_job_id()
-            dashboard = ray_dashboard_url(self.cluster,
-                                          self._ray_context if self._owns_ray else None)
-            labels: dict[str, Any] = {"ray.job_id": job_id,
-                                      "ray.namespace": self.cluster.namespace}
+            dashboard = ray_dashboard_url(
+                self.cluster, self._ray_context if self._owns_ray else None
+            )
+            labels: dict[str, Any] = {"ray.job_id": job_id, "ray.namespace": self.cluster.namespace}
             if dashboard:
                 labels["ray.dashboard_url"] = dashboard
             from prefect.client.orchestration import get_client
@@ -412,12 +453,16 @@ class ProjectRayTaskRunner(RayTaskRunner):
             with get_client(sync_client=True) as client:
                 client.update_flow_run_labels(flow_run_id, labels)
                 if dashboard:
-                    client.create_artifact(ArtifactCreate(
-                        key=RAY_DASHBOARD_ARTIFACT_KEY, type="markdown",
-                        data=f"[Ray job {job_id}]({dashboard}/#/jobs/{job_id})",
-                        description=f"This flow run's Ray job on the Ray dashboard "
-                                    f"({dashboard})",
-                        flow_run_id=flow_run_id))
+                    client.create_artifact(
+                        ArtifactCreate(
+                            key=RAY_DASHBOARD_ARTIFACT_KEY,
+                            type="markdown",
+                            data=f"[Ray job {job_id}]({dashboard}/#/jobs/{job_id})",
+                            description=f"This flow run's Ray job on the Ray dashboard "
+                            f"({dashboard})",
+                            flow_run_id=flow_run_id,
+                        )
+                    )
         except Exception as error:
             logger.warning("Could not link flow run %s to its Ray job: %s", flow_run_id, error)
 
@@ -445,26 +490,35 @@ class ProjectRayTaskRunner(RayTaskRunner):
             k: collect_task_run_inputs_sync(v, future_cls=PrefectRayFuture)
             for k, v in parameters.items()
         }
-        context = serialize_context(asset_ctx_kwargs={
-            "task": task, "task_run_id": task_run_id,
-            "task_inputs": task_inputs, "copy_to_child_ctx": True,
-        })
+        context = serialize_context(
+            asset_ctx_kwargs={
+                "task": task,
+                "task_run_id": task_run_id,
+                "task_inputs": task_inputs,
+                "copy_to_child_ctx": True,
+            }
+        )
         settings_context = context.get("settings_context") or {}
-        settings_context["settings"] = _deep_merge(settings_context.get("settings") or {},
-                                                   self.worker_settings)
+        settings_context["settings"] = _deep_merge(
+            settings_context.get("settings") or {}, self.worker_settings
+        )
         context["settings_context"] = settings_context
 
         parameters, upstream_refs = self._exchange_prefect_for_ray_futures(parameters)
-        options = {**self.remote_defaults, **getattr(task.fn, RAY_OPTIONS_ATTRIBUTE, {}),
-                   **RemoteOptionsContext.get().current_remote_options}
+        options = {
+            **self.remote_defaults,
+            **getattr(task.fn, RAY_OPTIONS_ATTRIBUTE, {}),
+            **RemoteOptionsContext.get().current_remote_options,
+        }
         flow_run = FlowRunContext.get()
         flow_run_id = flow_run.flow_run.id if flow_run and flow_run.flow_run else None
         if flow_run_id is not None and self._flow_run_id is None:
             # Not found while entering: linked at the first submit instead.
             self._flow_run_id = flow_run_id
             self._link_flow_run(flow_run_id)
-        name = task.name if flow_run_id is None else ray_task_name(
-            task.name, flow_run_id, task_run_id)
+        name = (
+            task.name if flow_run_id is None else ray_task_name(task.name, flow_run_id, task_run_id)
+        )
         object_ref = (
             ray.remote(**options)(_run_on_ray)
             .options(name=name)
@@ -518,12 +572,15 @@ class CrashRecordingRayFuture(PrefectRayFuture):
                 except (ObjectNotFound, httpx.HTTPStatusError) as missing:
                     if getattr(getattr(missing, "response", None), "status_code", 404) != 404:
                         raise
-                    client.create_task_run(self.task, self.flow_run_id,
-                                           dynamic_key=str(self.task_run_id),
-                                           id=self.task_run_id, state=state)
+                    client.create_task_run(
+                        self.task,
+                        self.flow_run_id,
+                        dynamic_key=str(self.task_run_id),
+                        id=self.task_run_id,
+                        state=state,
+                    )
         except Exception as error:  # the flow still sees Crashed; only the UI lags
-            logger.warning("Could not record Crashed for task run %s: %s",
-                           self.task_run_id, error)
+            logger.warning("Could not record Crashed for task run %s: %s", self.task_run_id, error)
 
 
 def _run_on_ray(
@@ -546,16 +603,23 @@ def _run_on_ray(
     _adopt_flow_settings(context)
     _tag_child_tasks()
     parameters = visit_collection(
-        parameters, visit_fn=lambda x: ray.get(x) if isinstance(x, ray.ObjectRef) else x,
-        return_data=True)
+        parameters,
+        visit_fn=lambda x: ray.get(x) if isinstance(x, ray.ObjectRef) else x,
+        return_data=True,
+    )
     attempt = ray._private.worker.global_worker.core_worker.get_current_task_attempt_number()
     task_run = None
     if attempt > 0:
         time.sleep(crash_backoff_s * 2 ** (attempt - 1))
         task_run = _continue_after_crash(task_run_id, context, attempt)
-    kwargs: dict[str, Any] = dict(task=task, parameters=parameters, wait_for=wait_for,
-                                  dependencies=dependencies, context=context,
-                                  return_type="state")
+    kwargs: dict[str, Any] = dict(
+        task=task,
+        parameters=parameters,
+        wait_for=wait_for,
+        dependencies=dependencies,
+        context=context,
+        return_type="state",
+    )
     if task_run is None:
         kwargs["task_run_id"] = task_run_id
     else:
@@ -593,8 +657,9 @@ class _TaskRunLogs:
         set_api_log_sink(None)
         if not self.logs:
             return
-        body = orjson.dumps([{k: v for k, v in log.items() if k != "__payload_size__"}
-                             for log in self.logs])
+        body = orjson.dumps(
+            [{k: v for k, v in log.items() if k != "__payload_size__"} for log in self.logs]
+        )
         self._sender().put((self.api_url, body))
 
     @classmethod
@@ -604,16 +669,21 @@ class _TaskRunLogs:
 
         if cls._queue is None:
             cls._queue = queue.Queue()
-            threading.Thread(target=cls._post_forever, args=(cls._queue,), daemon=True,
-                             name="prefect-ray-task-logs").start()
+            threading.Thread(
+                target=cls._post_forever,
+                args=(cls._queue,),
+                daemon=True,
+                name="prefect-ray-task-logs",
+            ).start()
         return cls._queue
 
     @classmethod
     def wait_sent(cls, timeout: float) -> None:
         """Wait (at most `timeout` s) until every queued batch has been posted."""
         deadline = time.monotonic() + timeout
-        while cls._queue is not None and cls._queue.unfinished_tasks and \
-                time.monotonic() < deadline:
+        while (
+            cls._queue is not None and cls._queue.unfinished_tasks and time.monotonic() < deadline
+        ):
             time.sleep(0.02)
 
     @staticmethod
@@ -629,8 +699,9 @@ class _TaskRunLogs:
                     # This thread reads the process-global settings: name the URL.
                     with temporary_settings(updates={PREFECT_API_URL: api_url}):
                         clients[api_url] = get_client(sync_client=True).__enter__()
-                clients[api_url].request("POST", "/logs/", content=body,
-                                         headers={"Content-Type": "application/json"})
+                clients[api_url].request(
+                    "POST", "/logs/", content=body, headers={"Content-Type": "application/json"}
+                )
             except Exception as error:  # logs are best effort; the task's outcome is not
                 logger.warning("Could not send a task run's logs to %s: %s", api_url, error)
             finally:
@@ -660,8 +731,11 @@ def _wait_off_slot(state: Any) -> None:
     if delay >= RETRY_DELAY_OFF_SLOT_S:
         # Named, so it is not tagged as a child of the task run (whose flow run would then
         # wait at exit for child log lines that never come).
-        ray.get(ray.remote(num_cpus=0, max_retries=3)(_by_value(retry_delay))
-                .options(name="prefect-retry-delay").remote(time.time() + delay))
+        ray.get(
+            ray.remote(num_cpus=0, max_retries=3)(_by_value(retry_delay))
+            .options(name="prefect-retry-delay")
+            .remote(time.time() + delay)
+        )
 
 
 def _run_sync(kwargs: dict[str, Any], lost_attempts: int = 0):
@@ -676,19 +750,23 @@ def _run_sync(kwargs: dict[str, Any], lost_attempts: int = 0):
             _wait_off_slot(self.state)
             super().wait_until_ready()
 
-    engine = Engine(task=kwargs["task"], parameters=kwargs["parameters"],
-                    task_run=kwargs.get("task_run"), wait_for=kwargs["wait_for"],
-                    context=kwargs["context"])
-    with engine.start(task_run_id=kwargs.get("task_run_id"),
-                      dependencies=kwargs["dependencies"]):
+    engine = Engine(
+        task=kwargs["task"],
+        parameters=kwargs["parameters"],
+        task_run=kwargs.get("task_run"),
+        wait_for=kwargs["wait_for"],
+        context=kwargs["context"],
+    )
+    with engine.start(task_run_id=kwargs.get("task_run_id"), dependencies=kwargs["dependencies"]):
         if lost_attempts and engine.task_run is not None:
             engine.task_run.run_count += lost_attempts
-            engine.logger.warning("Attempt %s of this task run: the Ray worker running the "
-                                  "previous one crashed", engine.task_run.run_count)
+            engine.logger.warning(
+                "Attempt %s of this task run: the Ray worker running the previous one crashed",
+                engine.task_run.run_count,
+            )
         while engine.is_running():
             engine.wait_until_ready()
-            with (engine.asset_context(), engine.run_context(),
-                  engine.transaction_context() as txn):
+            with engine.asset_context(), engine.run_context(), engine.transaction_context() as txn:
                 engine.call_task_fn(txn)
             raise_if_flow_run_suspension_requested()
     return engine.state
@@ -704,15 +782,23 @@ async def _run_async(kwargs: dict[str, Any]):
             _wait_off_slot(self.state)  # blocks this task's own event loop only
             await super().wait_until_ready()
 
-    engine = Engine(task=kwargs["task"], parameters=kwargs["parameters"],
-                    task_run=kwargs.get("task_run"), wait_for=kwargs["wait_for"],
-                    context=kwargs["context"])
-    async with engine.start(task_run_id=kwargs.get("task_run_id"),
-                            dependencies=kwargs["dependencies"]):
+    engine = Engine(
+        task=kwargs["task"],
+        parameters=kwargs["parameters"],
+        task_run=kwargs.get("task_run"),
+        wait_for=kwargs["wait_for"],
+        context=kwargs["context"],
+    )
+    async with engine.start(
+        task_run_id=kwargs.get("task_run_id"), dependencies=kwargs["dependencies"]
+    ):
         while engine.is_running():
             await engine.wait_until_ready()
-            async with (engine.asset_context(), engine.run_context(),
-                        engine.transaction_context() as txn):
+            async with (
+                engine.asset_context(),
+                engine.run_context(),
+                engine.transaction_context() as txn,
+            ):
                 await engine.call_task_fn(txn)
             raise_if_flow_run_suspension_requested()
     return engine.state
@@ -745,13 +831,19 @@ def _continue_after_crash(task_run_id: UUID, context: dict[str, Any], attempt: i
             with get_client(sync_client=True) as client:
                 task_run = client.read_task_run(task_run_id)
         except Exception as error:
-            logger.debug("Task run %s is not in the API (%r): its crashed worker died "
-                         "before sending its events", task_run_id, error)
+            logger.debug(
+                "Task run %s is not in the API (%r): its crashed worker died "
+                "before sending its events",
+                task_run_id,
+                error,
+            )
             return None
         previous = task_run.state
         task_run.state = AwaitingRetry(
             scheduled_time=None,
-            message=f"Ray worker crashed; Ray re-run {attempt} of this task run")
-        emit_task_run_state_change_event(task_run=task_run, initial_state=previous,
-                                         validated_state=task_run.state)
+            message=f"Ray worker crashed; Ray re-run {attempt} of this task run",
+        )
+        emit_task_run_state_change_event(
+            task_run=task_run, initial_state=previous, validated_state=task_run.state
+        )
     return task_run

@@ -31,8 +31,13 @@ DEPLOYMENT = "train-and-ship/train-and-ship"
 ROUTE = "policy"
 MODEL_NAME = "cartpole-ppo"
 RUN_TIMEOUT_S = 1800
-OBSERVATIONS = [[0.01, -0.02, 0.03, 0.04], [0.1, 0.5, -0.05, -0.6], [-0.1, -0.4, 0.05, 0.7],
-                [0.0, 0.2, 0.02, -0.3], [0.05, -0.3, -0.08, 0.4]]
+OBSERVATIONS = [
+    [0.01, -0.02, 0.03, 0.04],
+    [0.1, 0.5, -0.05, -0.6],
+    [-0.1, -0.4, 0.05, 0.7],
+    [0.0, 0.2, 0.02, -0.3],
+    [0.05, -0.3, -0.08, 0.4],
+]
 
 
 def run(argv: list[str], env: dict[str, str], what: str) -> str:
@@ -53,8 +58,11 @@ def watch(client, flow_run_id: str, timeout: float):
     started = time.monotonic()
     while True:
         run = client.read_flow_run(flow_run_id)
-        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])
+            )
+        )
         for item in [run, *sorted(children, key=lambda c: c.created)]:
             key = str(item.id)
             if key not in names:
@@ -62,13 +70,16 @@ def watch(client, flow_run_id: str, timeout: float):
             state = item.state.name if item.state else "?"
             if seen.get(key) != state:
                 seen[key] = state
-                print(f"   {time.monotonic() - started:6.0f} s  {names[key]:22} {state}",
-                      flush=True)
+                print(
+                    f"   {time.monotonic() - started:6.0f} s  {names[key]:22} {state}", flush=True
+                )
         if run.state is not None and run.state.is_final():
             return run
         if time.monotonic() > deadline:
-            raise SystemExit(f"{DEPLOYMENT} run {flow_run_id} is still "
-                             f"{run.state and run.state.name} after {timeout:.0f} s")
+            raise SystemExit(
+                f"{DEPLOYMENT} run {flow_run_id} is still "
+                f"{run.state and run.state.name} after {timeout:.0f} s"
+            )
         time.sleep(3)
 
 
@@ -92,24 +103,34 @@ class Traffic(threading.Thread):
     def report(self) -> str:
         self.stopping.set()
         self.join(timeout=40)
-        parts = [f"{n} x {status}" + (f" from v{version}" if version else "")
-                 for (status, version), n in sorted(self.answers.items(), key=str)]
+        parts = [
+            f"{n} x {status}" + (f" from v{version}" if version else "")
+            for (status, version), n in sorted(self.answers.items(), key=str)
+        ]
         return ", ".join(parts) or "none"
 
 
 def summary_of(client, flow_run_id: str) -> str:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
-        flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    artifacts = client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+    )
     return next((a.description or "" for a in artifacts if a.key == "train-and-ship"), "")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deployments.demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--state-dir", type=Path, default=local.DEFAULT_STATE_DIR,
-                        help="folder for the local services' state (default: .local/)")
+    parser = argparse.ArgumentParser(
+        prog="python -m deployments.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=local.DEFAULT_STATE_DIR,
+        help="folder for the local services' state (default: .local/)",
+    )
     state_dir = parser.parse_args(argv).state_dir.resolve()
     if local.main(["up", "--ray", "--state-dir", str(state_dir)]) != 0:
         return 1
@@ -135,17 +156,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"   {len(deployed)} deployments: {', '.join(deployed)}")
 
     print("== starting a process worker for the pool", flush=True)
-    print("   " + run([python, "-m", "deployments.setup", *state, "--worker", "start"], env,
-                      "worker").strip())
+    print(
+        "   "
+        + run(
+            [python, "-m", "deployments.setup", *state, "--worker", "start"], env, "worker"
+        ).strip()
+    )
 
     from prefect.client.orchestration import get_client
 
-    params = {"model_name": MODEL_NAME, "route": ROUTE,
-              "storage_root": str(state_dir / "sweeps")}
-    print(f"== running {DEPLOYMENT} through its deployment (a few minutes on 2 CPUs)",
-          flush=True)
-    out = run([prefect, "deployment", "run", DEPLOYMENT, "--params", json.dumps(params)], env,
-              "prefect deployment run")
+    params = {"model_name": MODEL_NAME, "route": ROUTE, "storage_root": str(state_dir / "sweeps")}
+    print(f"== running {DEPLOYMENT} through its deployment (a few minutes on 2 CPUs)", flush=True)
+    out = run(
+        [prefect, "deployment", "run", DEPLOYMENT, "--params", json.dumps(params)],
+        env,
+        "prefect deployment run",
+    )
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
     flow_run_url = f"{prefect_url}/runs/flow-run/{flow_run_id}"
     print(f"   flow run {flow_run_url}")
@@ -163,8 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   answers during the run: {traffic.report()}")
     if not final.state.is_completed():
         worker_log = setup.worker_service(state_dir).log_file
-        print(f"\n{DEPLOYMENT} ended {final.state.name}: {final.state.message}\n"
-              f"See {flow_run_url} and {worker_log}", file=sys.stderr)
+        print(
+            f"\n{DEPLOYMENT} ended {final.state.name}: {final.state.message}\n"
+            f"See {flow_run_url} and {worker_log}",
+            file=sys.stderr,
+        )
         return 1
 
     print(f"== asking {route_url} for actions", flush=True)
@@ -173,9 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         answer = lineage.ask(route_url, observation)
         served.add(answer["version"])
-        print(f"   {observation} -> {answer['status']} action "
-              f"{answer['answer'].get('action')} from v{answer['version']} "
-              f"({(time.perf_counter() - started) * 1000:.0f} ms)")
+        print(
+            f"   {observation} -> {answer['status']} action "
+            f"{answer['answer'].get('action')} from v{answer['version']} "
+            f"({(time.perf_counter() - started) * 1000:.0f} ms)"
+        )
     walked = lineage.walk(route_url, MODEL_NAME, mlflow_url)
     registered = re.search(r" v(\d+):", outcome)  # "<model> v<N>: <why shipped or not>"
     version = registered.group(1) if registered else walked["served"]["version"]
@@ -183,13 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     flag = "" if state_dir == local.DEFAULT_STATE_DIR.resolve() else f" --state-dir {state_dir}"
     print(f"""
 == done: {outcome}
-   {route_url} serves v{', v'.join(sorted(v for v in served if v))}; walking back from \
+   {route_url} serves v{", v".join(sorted(v for v in served if v))}; walking back from \
 its answer:
-   MLflow version     {walked.get('mlflow_version')}
-   registered by      {walked.get('registration_flow_run')}
-   sweep run          {walked.get('sweep_flow_run')}
-   Tune experiment    {walked.get('tune_experiment')} (trial {walked.get('tune_trial')})
-   held-out return    {walked.get('eval_mean_return')}
+   MLflow version     {walked.get("mlflow_version")}
+   registered by      {walked.get("registration_flow_run")}
+   sweep run          {walked.get("sweep_flow_run")}
+   Tune experiment    {walked.get("tune_experiment")} (trial {walked.get("tune_trial")})
+   held-out return    {walked.get("eval_mean_return")}
 
 Where to look:
   Prefect flow run   {flow_run_url}

@@ -23,9 +23,12 @@ DEFAULT_OBSERVATION = [0.01, -0.02, 0.03, 0.04]  # a CartPole observation
 
 def ask(url: str, observation: list[float] = DEFAULT_OBSERVATION) -> dict[str, Any]:
     """POST one observation; the answer, its status (0: no answer) and the version."""
-    request = urllib.request.Request(url, data=json.dumps({"observation": observation}).encode(),
-                                     headers={"content-type": "application/json"},
-                                     method="POST")
+    request = urllib.request.Request(
+        url,
+        data=json.dumps({"observation": observation}).encode(),
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             status, headers, body = response.status, response.headers, response.read()
@@ -51,15 +54,21 @@ def walk(url: str, model_name: str, tracking_uri: str) -> dict[str, Any]:
         return {"url": url, "served": served, "error": "the answer has no X-Model-Version"}
     client = MlflowClient(tracking_uri)
     found = client.get_model_version(model_name, version)
-    tags = {k.removeprefix(f"{registry.TAG}."): v for k, v in found.tags.items()
-            if k.startswith(f"{registry.TAG}.")}
+    tags = {
+        k.removeprefix(f"{registry.TAG}."): v
+        for k, v in found.tags.items()
+        if k.startswith(f"{registry.TAG}.")
+    }
     return {
         "url": url,
         "served": served,
         "mlflow_version": f"{tracking_uri}/#/models/{model_name}/versions/{version}",
-        "mlflow_run": (f"{tracking_uri}/#/experiments/"
-                       f"{client.get_run(found.run_id).info.experiment_id}/runs/{found.run_id}"
-                       if found.run_id else None),
+        "mlflow_run": (
+            f"{tracking_uri}/#/experiments/"
+            f"{client.get_run(found.run_id).info.experiment_id}/runs/{found.run_id}"
+            if found.run_id
+            else None
+        ),
         "pipeline_flow_run": tags.get("pipeline.flow_run_url"),
         "registration_flow_run": tags.get("prefect.flow_run_url"),
         "sweep_flow_run": tags.get("tune.flow_run_url"),
@@ -67,20 +76,27 @@ def walk(url: str, model_name: str, tracking_uri: str) -> dict[str, Any]:
         "tune_trial": tags.get("tune.trial_id"),
         "eval_mean_return": tags.get("eval.mean_return"),
         "promotion": tags.get("promotion.reason"),
-        "rollout": {k.removeprefix("rollout."): v for k, v in tags.items()
-                    if k.startswith("rollout.") and k != "rollout.by"},
+        "rollout": {
+            k.removeprefix("rollout."): v
+            for k, v in tags.items()
+            if k.startswith("rollout.") and k != "rollout.by"
+        },
         "dataset_fingerprint": tags.get("dataset.fingerprint"),
         "git_commit": tags.get("git_commit"),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deployments.lineage", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m deployments.lineage",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--url", default="http://127.0.0.1:8000/policy")
     parser.add_argument("--model", default="cartpole-ppo")
-    parser.add_argument("--mlflow-uri",
-                        default=os.environ.get("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000"))
+    parser.add_argument(
+        "--mlflow-uri", default=os.environ.get("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    )
     args = parser.parse_args(argv)
     print(json.dumps(walk(args.url, args.model, args.mlflow_uri), indent=2))
     return 0

@@ -95,33 +95,64 @@ class Service:
                 PREFECT_UI_API_URL=f"{self.url}/api",
             )
             env.pop("PREFECT_API_URL", None)
-            argv = [str(bin_dir / "prefect"), "server", "start",
-                    "--host", HOST, "--port", str(self.port)]
+            argv = [
+                str(bin_dir / "prefect"),
+                "server",
+                "start",
+                "--host",
+                HOST,
+                "--port",
+                str(self.port),
+            ]
             return argv, env
         if self.name == "mlflow":
             root = self.state_dir / "mlflow"
             (root / "artifacts").mkdir(parents=True, exist_ok=True)
             env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
             argv = [
-                str(bin_dir / "mlflow"), "server", "--workers", "1",
-                "--host", HOST, "--port", str(self.port),
-                "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-                "--artifacts-destination", str(root / "artifacts"),
+                str(bin_dir / "mlflow"),
+                "server",
+                "--workers",
+                "1",
+                "--host",
+                HOST,
+                "--port",
+                str(self.port),
+                "--backend-store-uri",
+                f"sqlite:///{root / 'mlflow.db'}",
+                "--artifacts-destination",
+                str(root / "artifacts"),
             ]
             return argv, env
         ray_tmp = self.state_dir / "ray"
         ray_tmp.mkdir(parents=True, exist_ok=True)
-        env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token",
-                   RAY_AUTH_TOKEN_PATH=str(self.ray_token_file))
+        env.update(
+            RAY_USAGE_STATS_ENABLED="0",
+            RAY_AUTH_MODE="token",
+            RAY_AUTH_TOKEN_PATH=str(self.ray_token_file),
+        )
         self.ray_token()
         argv = [
-            str(bin_dir / "ray"), "start", "--head", "--block",
-            "--node-ip-address", HOST, "--port", str(self.port),
-            "--dashboard-host", HOST, "--dashboard-port", str(self.dashboard_port),
-            "--temp-dir", str(ray_tmp), "--disable-usage-stats",
+            str(bin_dir / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address",
+            HOST,
+            "--port",
+            str(self.port),
+            "--dashboard-host",
+            HOST,
+            "--dashboard-port",
+            str(self.dashboard_port),
+            "--temp-dir",
+            str(ray_tmp),
+            "--disable-usage-stats",
             # Fixed defaults (10001, 52365) would collide with another head on this machine.
-            "--ray-client-server-port", str(_free_port()),
-            "--dashboard-agent-listen-port", str(_free_port()),
+            "--ray-client-server-port",
+            str(_free_port()),
+            "--dashboard-agent-listen-port",
+            str(_free_port()),
         ]
         if self.num_cpus:
             argv += ["--num-cpus", str(self.num_cpus)]
@@ -135,8 +166,12 @@ def services(
     ray_num_cpus: int | None = None,
 ) -> list[Service]:
     ports = {**DEFAULT_PORTS, **(ports or {})}
-    return [Service(name, ports[name], Path(state_dir).resolve(),
-                    ray_num_cpus if name == "ray" else None) for name in names]
+    return [
+        Service(
+            name, ports[name], Path(state_dir).resolve(), ray_num_cpus if name == "ray" else None
+        )
+        for name in names
+    ]
 
 
 def _free_port() -> int:
@@ -211,19 +246,31 @@ def running(service: Service) -> dict | None:
     return _read_pid(service)
 
 
-def launch(service: Service, argv: list[str], env: dict[str, str],
-           cwd: Path) -> subprocess.Popen:
+def launch(service: Service, argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
     """Start `argv` in its own session, logging to the service's log, and record its pid
     with the process start time (so `stop` never kills a recycled pid)."""
     for folder in (service.pid_file.parent, service.log_file.parent):
         folder.mkdir(parents=True, exist_ok=True)
     with open(service.log_file, "ab") as log:
         process = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            cwd=cwd, start_new_session=True)
-    service.pid_file.write_text(json.dumps({
-        "pid": process.pid, "start_time": _proc_start_time(process.pid),
-        "port": service.port, "argv": argv}))
+            argv,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+            start_new_session=True,
+        )
+    service.pid_file.write_text(
+        json.dumps(
+            {
+                "pid": process.pid,
+                "start_time": _proc_start_time(process.pid),
+                "port": service.port,
+                "argv": argv,
+            }
+        )
+    )
     return process
 
 
@@ -232,22 +279,28 @@ def start(service: Service, timeout: float = START_TIMEOUT_S) -> str:
     if _read_pid(service):
         if _wait_ready(service, None, timeout):
             return "already running"
-        raise ServiceError(f"{service.name} (pid file {service.pid_file}) runs but does not "
-                           f"answer at {service.health_url}; see {service.log_file}")
+        raise ServiceError(
+            f"{service.name} (pid file {service.pid_file}) runs but does not "
+            f"answer at {service.health_url}; see {service.log_file}"
+        )
     if not _port_free(service.port):
         raise ServiceError(
             f"port {service.port} on {HOST}, wanted by the {service.name} service, is in use "
-            f"by another process; stop it or choose another port")
+            f"by another process; stop it or choose another port"
+        )
     if service.name == "ray" and not _port_free(service.dashboard_port):
         raise ServiceError(
             f"port {service.dashboard_port} on {HOST}, wanted by the ray dashboard, is in use "
-            f"by another process; stop it or choose another port")
+            f"by another process; stop it or choose another port"
+        )
     argv, env = service.command()
     process = launch(service, argv, env, service.state_dir)
     if not _wait_ready(service, process, timeout):
         stop(service)
-        raise ServiceError(f"{service.name} did not answer at {service.health_url} within "
-                           f"{timeout:.0f}s; last log lines:\n{_log_tail(service)}")
+        raise ServiceError(
+            f"{service.name} did not answer at {service.health_url} within "
+            f"{timeout:.0f}s; last log lines:\n{_log_tail(service)}"
+        )
     return f"started (pid {process.pid})"
 
 
@@ -332,20 +385,32 @@ def environment(chosen: list[Service]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deployments.local", description=__doc__)
     parser.add_argument("command", choices=["up", "down", "status", "env"])
-    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
-                        help="folder for all state, logs and pid files (default: .local/)")
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=DEFAULT_STATE_DIR,
+        help="folder for all state, logs and pid files (default: .local/)",
+    )
     parser.add_argument("--prefect-port", type=int, default=DEFAULT_PORTS["prefect"])
     parser.add_argument("--mlflow-port", type=int, default=DEFAULT_PORTS["mlflow"])
-    parser.add_argument("--ray", action="store_true",
-                        help="also manage a Ray head (ray start --head) on --ray-port")
+    parser.add_argument(
+        "--ray", action="store_true", help="also manage a Ray head (ray start --head) on --ray-port"
+    )
     parser.add_argument("--ray-port", type=int, default=DEFAULT_PORTS["ray"])
-    parser.add_argument("--ray-num-cpus", type=int, default=None,
-                        help="logical CPUs the Ray head offers (default: the machine's)")
+    parser.add_argument(
+        "--ray-num-cpus",
+        type=int,
+        default=None,
+        help="logical CPUs the Ray head offers (default: the machine's)",
+    )
     args = parser.parse_args(argv)
     names = ["prefect", "mlflow"] + (["ray"] if args.ray else [])
-    chosen = services(args.state_dir, {"prefect": args.prefect_port,
-                                       "mlflow": args.mlflow_port, "ray": args.ray_port},
-                      names, args.ray_num_cpus)
+    chosen = services(
+        args.state_dir,
+        {"prefect": args.prefect_port, "mlflow": args.mlflow_port, "ray": args.ray_port},
+        names,
+        args.ray_num_cpus,
+    )
     if args.command == "env":
         for key, value in environment(chosen).items():
             print(f"export {key}={value}")
@@ -354,8 +419,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = [status(service) for service in chosen]
         for row in rows:
             state = "answers" if row["answers"] else "down"
-            print(f"{row['service']:8} {row['url']:28} {state}"
-                  + (f" (pid {row['pid']})" if row["pid"] else ""))
+            print(
+                f"{row['service']:8} {row['url']:28} {state}"
+                + (f" (pid {row['pid']})" if row["pid"] else "")
+            )
         return 0 if all(row["answers"] for row in rows) else 1
     if args.command == "down":
         for service in reversed(chosen):

@@ -50,8 +50,12 @@ class Environment:
     def ray_cluster(self):
         from blocks import RayCluster
 
-        return RayCluster(address=self.ray_address, auth_token=self.ray_token,
-                          dashboard_url=self.ray_dashboard_url, serve_port=self.serve_port)
+        return RayCluster(
+            address=self.ray_address,
+            auth_token=self.ray_token,
+            dashboard_url=self.ray_dashboard_url,
+            serve_port=self.serve_port,
+        )
 
     def mlflow_server(self):
         from blocks import MLflowServer
@@ -59,16 +63,21 @@ class Environment:
         return MLflowServer(tracking_uri=self.mlflow_uri)
 
 
-def local_environment(state_dir: Path = local.DEFAULT_STATE_DIR,
-                      serve_port: int = 8000) -> Environment:
+def local_environment(
+    state_dir: Path = local.DEFAULT_STATE_DIR, serve_port: int = 8000
+) -> Environment:
     """The services `python -m deployments.local up --ray` runs (a Ray head is required: Serve
     rollouts need a cluster that outlives a flow run)."""
     services = {s.name: s for s in local.services(state_dir, names=("prefect", "mlflow", "ray"))}
     ray = services["ray"]
     return Environment(
-        ray_address=ray.url, mlflow_uri=services["mlflow"].url, ray_token=ray.ray_token(),
-        ray_dashboard_url=f"http://{local.HOST}:{ray.dashboard_port}", serve_port=serve_port,
-        client_env=local.environment(list(services.values())))
+        ray_address=ray.url,
+        mlflow_uri=services["mlflow"].url,
+        ray_token=ray.ray_token(),
+        ray_dashboard_url=f"http://{local.HOST}:{ray.dashboard_port}",
+        serve_port=serve_port,
+        client_env=local.environment(list(services.values())),
+    )
 
 
 def save_blocks(env: Environment) -> list[str]:
@@ -76,8 +85,7 @@ def save_blocks(env: Environment) -> list[str]:
     from blocks import MLflowServer, RayCluster
 
     done = []
-    for block_type, block in ((RayCluster, env.ray_cluster()),
-                              (MLflowServer, env.mlflow_server())):
+    for block_type, block in ((RayCluster, env.ray_cluster()), (MLflowServer, env.mlflow_server())):
         block_type.register_type_and_schema()
         block.save(env.block_name, overwrite=True)
         done.append(f"block {block_type.get_block_type_slug()}/{env.block_name}")
@@ -93,8 +101,10 @@ def ensure_work_pool(name: str = WORK_POOL) -> str:
         try:
             pool = client.read_work_pool(name)
             if pool.type != "process":
-                raise ValueError(f"work pool {name!r} exists with type {pool.type!r}; the "
-                                 f"deployments need a process pool")
+                raise ValueError(
+                    f"work pool {name!r} exists with type {pool.type!r}; the "
+                    f"deployments need a process pool"
+                )
             return f"work pool {name} (process): exists"
         except ObjectNotFound:
             try:
@@ -113,8 +123,7 @@ def ensure_rollout_limits(routes: tuple[str, ...] = ROUTES) -> list[str]:
 
 
 def prepare(env: Environment) -> list[str]:
-    return [*save_blocks(env), ensure_work_pool(env.work_pool),
-            *ensure_rollout_limits(env.routes)]
+    return [*save_blocks(env), ensure_work_pool(env.work_pool), *ensure_rollout_limits(env.routes)]
 
 
 def set_schedules(active: bool, deployments: tuple[str, ...] = SCHEDULED) -> list[str]:
@@ -124,13 +133,16 @@ def set_schedules(active: bool, deployments: tuple[str, ...] = SCHEDULED) -> lis
 
     done = []
     with get_client(sync_client=True) as client:
-        found = client.read_deployments(deployment_filter=DeploymentFilter(
-            name=DeploymentFilterName(any_=list(deployments))))
+        found = client.read_deployments(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=list(deployments)))
+        )
         for deployment in found:
             for schedule in client.read_deployment_schedules(deployment.id):
                 client.update_deployment_schedule(deployment.id, schedule.id, active=active)
-                done.append(f"schedule {deployment.name}/{schedule.slug or schedule.id}: "
-                            f"{'on' if active else 'off'}")
+                done.append(
+                    f"schedule {deployment.name}/{schedule.slug or schedule.id}: "
+                    f"{'on' if active else 'off'}"
+                )
     if not done:
         done.append("no schedules found: run `prefect --no-prompt deploy --all` first")
     return done
@@ -152,42 +164,53 @@ def worker_env(client_env: dict[str, str]) -> dict[str, str]:
 
 def worker_command(pool: str = WORK_POOL, name: str = WORKER_NAME) -> list[str]:
     prefect = str(Path(sys.executable).parent / "prefect")
-    return [prefect, "worker", "start", "--pool", pool, "--type", "process", "--name", name,
-            "--install-policy", "never"]
+    return [
+        prefect,
+        "worker",
+        "start",
+        "--pool",
+        pool,
+        "--type",
+        "process",
+        "--name",
+        name,
+        "--install-policy",
+        "never",
+    ]
 
 
-def start_worker(state_dir: Path, client_env: dict[str, str], pool: str = WORK_POOL,
-                 timeout: float = 90.0) -> str:
+def start_worker(
+    state_dir: Path, client_env: dict[str, str], pool: str = WORK_POOL, timeout: float = 90.0
+) -> str:
     """Start a process worker for the pool (a no-op when ours runs) and wait until the Prefect
     API sees it."""
     service = worker_service(state_dir)
     record = local.running(service)
     if record:
         return f"worker: already running (pid {record['pid']})"
-    process = local.launch(service, worker_command(pool), worker_env(client_env),
-                           PROJECT_ROOT)
+    process = local.launch(service, worker_command(pool), worker_env(client_env), PROJECT_ROOT)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             local.stop(service)
-            raise RuntimeError(f"the worker exited with {process.returncode}; see "
-                               f"{service.log_file}")
+            raise RuntimeError(
+                f"the worker exited with {process.returncode}; see {service.log_file}"
+            )
         if _worker_online(pool, client_env):
             return f"worker: started (pid {process.pid}, log {service.log_file})"
         time.sleep(1)
     local.stop(service)
-    raise RuntimeError(f"the worker did not reach the Prefect API in {timeout:.0f} s; see "
-                       f"{service.log_file}")
+    raise RuntimeError(
+        f"the worker did not reach the Prefect API in {timeout:.0f} s; see {service.log_file}"
+    )
 
 
 def _worker_online(pool: str, client_env: dict[str, str]) -> bool:
     from prefect.client.orchestration import get_client
 
-    with _prefect_api(client_env.get("PREFECT_API_URL")), \
-            get_client(sync_client=True) as client:
+    with _prefect_api(client_env.get("PREFECT_API_URL")), get_client(sync_client=True) as client:
         workers = client.read_workers_for_work_pool(pool)
-    return any(w.name == WORKER_NAME and str(w.status).upper().endswith("ONLINE")
-               for w in workers)
+    return any(w.name == WORKER_NAME and str(w.status).upper().endswith("ONLINE") for w in workers)
 
 
 def stop_worker(state_dir: Path) -> str:
@@ -205,28 +228,47 @@ def _prefect_api(url: str | None) -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deployments.setup", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--state-dir", type=Path, default=local.DEFAULT_STATE_DIR,
-                        help="deployments.local's state folder (default: .local/)")
+    parser = argparse.ArgumentParser(
+        prog="python -m deployments.setup",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=local.DEFAULT_STATE_DIR,
+        help="deployments.local's state folder (default: .local/)",
+    )
     parser.add_argument("--ray-address", help="Ray GCS address (default: the local head)")
     parser.add_argument("--ray-token-file", type=Path, help="file holding the Ray token")
     parser.add_argument("--ray-dashboard-url")
     parser.add_argument("--mlflow-uri", help="MLflow tracking URI (default: the local one)")
-    parser.add_argument("--serve-port", type=int, default=8000,
-                        help="port of Serve's HTTP proxy on the cluster (default 8000)")
-    parser.add_argument("--route", action="append", dest="routes",
-                        help="route that gets a rollout concurrency limit (repeatable; "
-                             "default: policy)")
-    parser.add_argument("--schedules", choices=["on", "off"],
-                        help="only turn the deployments' schedules on or off")
-    parser.add_argument("--worker", choices=["start", "stop"],
-                        help="only start or stop the local process worker")
+    parser.add_argument(
+        "--serve-port",
+        type=int,
+        default=8000,
+        help="port of Serve's HTTP proxy on the cluster (default 8000)",
+    )
+    parser.add_argument(
+        "--route",
+        action="append",
+        dest="routes",
+        help="route that gets a rollout concurrency limit (repeatable; default: policy)",
+    )
+    parser.add_argument(
+        "--schedules", choices=["on", "off"], help="only turn the deployments' schedules on or off"
+    )
+    parser.add_argument(
+        "--worker", choices=["start", "stop"], help="only start or stop the local process worker"
+    )
     args = parser.parse_args(argv)
 
     if args.schedules:
-        api = None if args.ray_address else local_environment(args.state_dir).client_env.get(
-            "PREFECT_API_URL")
+        api = (
+            None
+            if args.ray_address
+            else local_environment(args.state_dir).client_env.get("PREFECT_API_URL")
+        )
         with _prefect_api(api):
             lines = set_schedules(args.schedules == "on")
     elif args.worker == "stop":
@@ -234,13 +276,19 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if args.ray_address:
             token = args.ray_token_file.read_text().strip() if args.ray_token_file else None
-            env = Environment(ray_address=args.ray_address,
-                              mlflow_uri=args.mlflow_uri or os.environ.get(
-                                  "MLFLOW_TRACKING_URI", "http://127.0.0.1:5000"),
-                              ray_token=token, ray_dashboard_url=args.ray_dashboard_url,
-                              serve_port=args.serve_port,
-                              client_env={k: v for k, v in os.environ.items()
-                                          if k.startswith(("PREFECT_", "MLFLOW_", "RAY_"))})
+            env = Environment(
+                ray_address=args.ray_address,
+                mlflow_uri=args.mlflow_uri
+                or os.environ.get("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000"),
+                ray_token=token,
+                ray_dashboard_url=args.ray_dashboard_url,
+                serve_port=args.serve_port,
+                client_env={
+                    k: v
+                    for k, v in os.environ.items()
+                    if k.startswith(("PREFECT_", "MLFLOW_", "RAY_"))
+                },
+            )
         else:
             env = local_environment(args.state_dir, args.serve_port)
             if args.mlflow_uri:

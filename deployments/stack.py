@@ -40,8 +40,11 @@ def temporary_stack(ray_num_cpus: int, prefix: str = "rlt-") -> Iterator[Stack]:
     prefect_port, mlflow_port, serve_port = local.free_ports(3)
     (ray_port,) = local.free_ports(1, spacing=local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"])
     services = local.services(
-        state_dir, {"prefect": prefect_port, "mlflow": mlflow_port, "ray": ray_port},
-        ("prefect", "mlflow", "ray"), ray_num_cpus=ray_num_cpus)
+        state_dir,
+        {"prefect": prefect_port, "mlflow": mlflow_port, "ray": ray_port},
+        ("prefect", "mlflow", "ray"),
+        ray_num_cpus=ray_num_cpus,
+    )
     try:
         with ThreadPoolExecutor(len(services)) as pool:
             for outcome in pool.map(local.start, services):

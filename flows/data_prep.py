@@ -35,32 +35,53 @@ from workloads.data import staging_path
 class DataPrepParams(BaseModel):
     """What to prepare and how."""
 
-    source: str = Field(description="Local path, glob, or pyarrow filesystem URI of parquet, "
-                        "CSV or JSON-lines files (one format per source).")
-    output: str = Field(description="Folder (path or URI) the dataset is published to; its "
-                        "train/, eval/ and quarantine/ appear together or not at all.")
-    split_key: str = Field(description="Column whose value is hashed to pick train or eval: "
-                           "the same key always lands in the same split.")
-    eval_fraction: float = Field(default=DEFAULT_EVAL_FRACTION, ge=0.0, le=1.0,
-                                 description="Share of keys that go to the eval split.")
+    source: str = Field(
+        description="Local path, glob, or pyarrow filesystem URI of parquet, "
+        "CSV or JSON-lines files (one format per source)."
+    )
+    output: str = Field(
+        description="Folder (path or URI) the dataset is published to; its "
+        "train/, eval/ and quarantine/ appear together or not at all."
+    )
+    split_key: str = Field(
+        description="Column whose value is hashed to pick train or eval: "
+        "the same key always lands in the same split."
+    )
+    eval_fraction: float = Field(
+        default=DEFAULT_EVAL_FRACTION,
+        ge=0.0,
+        le=1.0,
+        description="Share of keys that go to the eval split.",
+    )
     expected_schema: dict[str, ColumnType] | None = Field(
-        default=None, description="Columns to keep and their types; values that do not parse "
-        "as the type are quarantined. Empty: the first file's columns and types.")
+        default=None,
+        description="Columns to keep and their types; values that do not parse "
+        "as the type are quarantined. Empty: the first file's columns and types.",
+    )
     required_columns: list[str] = Field(
-        default_factory=list, description="Columns whose nulls send a row to the quarantine.")
+        default_factory=list, description="Columns whose nulls send a row to the quarantine."
+    )
     filters: list[RowFilterParam] = Field(
-        default_factory=list, description="Rows failing any filter are dropped (not bad).")
+        default_factory=list, description="Rows failing any filter are dropped (not bad)."
+    )
     transform: str | None = Field(
-        default=None, description="'module:function' applied to each batch with map_batches, "
-        "e.g. 'workloads.transforms:tokenize_text'; it must be importable on the Ray workers.")
+        default=None,
+        description="'module:function' applied to each batch with map_batches, "
+        "e.g. 'workloads.transforms:tokenize_text'; it must be importable on the Ray workers.",
+    )
     transform_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments passed to the transform.")
+        default_factory=dict, description="Keyword arguments passed to the transform."
+    )
     transform_batch_format: Literal["pandas", "pyarrow"] = Field(
-        default="pandas", description="Batch kind the transform takes and returns.")
+        default="pandas", description="Batch kind the transform takes and returns."
+    )
     max_bad_fraction: float = Field(
-        default=DEFAULT_MAX_BAD_FRACTION, ge=0.0, le=1.0,
+        default=DEFAULT_MAX_BAD_FRACTION,
+        ge=0.0,
+        le=1.0,
         description="Largest share of source rows that may be quarantined; past it the run "
-        "fails with the counts and first reasons, and publishes nothing.")
+        "fails with the counts and first reasons, and publishes nothing.",
+    )
 
 
 @flow(name="data-prep-on-ray")
@@ -95,10 +116,16 @@ def data_prep(
     staging = staging_path(plan.output)
     try:
         checks, staged = prepare_on_ray.with_options(task_runner=cluster.task_runner())(
-            plan, staging)
+            plan, staging
+        )
         result = dataset_result(plan, checks, staged)
-        verdict = judge_bad_rows(result.rows_in, result.rows_quarantined,
-                                 plan.max_bad_fraction, staged.reasons, staged.first_reasons)
+        verdict = judge_bad_rows(
+            result.rows_in,
+            result.rows_quarantined,
+            plan.max_bad_fraction,
+            staged.reasons,
+            staged.first_reasons,
+        )
         if not verdict.passed:
             raise TooManyBadRows(verdict.reason)
         print(verdict.reason)

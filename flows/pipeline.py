@@ -41,8 +41,11 @@ from workloads.constants import VERSION_HEADER
 
 # Two PPO trials on 2 CPUs, each stopped at a training return of 450: held-out greedy returns
 # of 490-500 in about a minute (make demo's measurements); a sweep never runs past 10 minutes.
-DEFAULT_SWEEP = SweepConfig(num_samples=2, max_concurrent_trials=2,
-                            stop=StopConditions(episode_return=450.0, sweep_seconds=600))
+DEFAULT_SWEEP = SweepConfig(
+    num_samples=2,
+    max_concurrent_trials=2,
+    stop=StopConditions(episode_return=450.0, sweep_seconds=600),
+)
 
 
 class PipelineResult(BaseModel):
@@ -75,16 +78,24 @@ def served_version(route_url: str) -> str | None:
 
 
 @mlflow_task
-def tag_lineage(mlflow_server: MLflowServer, model_name: str, version: str,
-                sweep_flow_run_id: str | None) -> None:
+def tag_lineage(
+    mlflow_server: MLflowServer, model_name: str, version: str, sweep_flow_run_id: str | None
+) -> None:
     """The version points back at this pipeline run and at the sweep's flow run."""
     tune = {"flow_run_id": sweep_flow_run_id or ""}
     if sweep_flow_run_id:
         tune["flow_run_url"] = str(url_for("flow-run", obj_id=sweep_flow_run_id) or "")
     with mlflow_server.session() as client:
-        registry.tag_verdict(client, model_name, version, "pipeline", {
-            "flow_run_id": str(flow_run.id or ""),
-            "flow_run_url": str(url_for("flow-run", obj_id=flow_run.id) or "")})
+        registry.tag_verdict(
+            client,
+            model_name,
+            version,
+            "pipeline",
+            {
+                "flow_run_id": str(flow_run.id or ""),
+                "flow_run_url": str(url_for("flow-run", obj_id=flow_run.id) or ""),
+            },
+        )
         registry.tag_verdict(client, model_name, version, "tune", tune)
 
 
@@ -95,15 +106,23 @@ def champion_version(mlflow_server: MLflowServer, model_name: str) -> str | None
     return found.version if found else None
 
 
-def rollout_decision(version: str, promoted: bool, champion: str | None, served: str | None,
-                     route: str, why: str = "") -> tuple[str | None, str]:
+def rollout_decision(
+    version: str,
+    promoted: bool,
+    champion: str | None,
+    served: str | None,
+    route: str,
+    why: str = "",
+) -> tuple[str | None, str]:
     """Which version to roll out (None: none), and why (`why`: the promotion verdict)."""
     why = f" ({why})" if why else ""
     if promoted:
         return version, f"v{version} was promoted to champion{why}"
     if served is None and champion is not None:
-        return champion, (f"v{version} was not promoted{why}; nothing serves /{route} yet: "
-                          f"rolling out champion v{champion}")
+        return champion, (
+            f"v{version} was not promoted{why}; nothing serves /{route} yet: "
+            f"rolling out champion v{champion}"
+        )
     if served is None:
         return None, f"v{version} was not promoted{why} and there is no champion to serve"
     return None, f"v{version} was not promoted{why}; v{served} keeps serving /{route}"
@@ -158,40 +177,64 @@ def train_and_ship(
     if ship:
         sc.validate_route(route)
         if cluster.is_embedded:
-            raise ValueError("train_and_ship rolls out to Ray Serve, which needs a cluster that "
-                             "outlives the flow run: give ray_cluster an address (or set ship "
-                             "to false to train, register and promote only)")
+            raise ValueError(
+                "train_and_ship rolls out to Ray Serve, which needs a cluster that "
+                "outlives the flow run: give ray_cluster an address (or set ship "
+                "to false to train, register and promote only)"
+            )
 
     dataset = data_prep(data, ray_cluster=cluster) if data is not None else None
-    swept = tune_sweep(sweep=sweep, ray_cluster=cluster, storage_root=storage_root,
-                       evaluation_episodes=evaluation_episodes,
-                       asset_deps=[dataset.asset_key] if dataset else None)
+    swept = tune_sweep(
+        sweep=sweep,
+        ray_cluster=cluster,
+        storage_root=storage_root,
+        evaluation_episodes=evaluation_episodes,
+        asset_deps=[dataset.asset_key] if dataset else None,
+    )
     evaluation = swept.evaluation
     sweep_run = str(swept.metrics.get("flow_run_id") or "") or None
-    print(f"sweep: {len(swept.trials)} trials; best checkpoint scores "
-          f"{evaluation.mean_return:.1f} ± {evaluation.std_return:.1f} on "
-          f"{evaluation.episodes} held-out episodes")
+    print(
+        f"sweep: {len(swept.trials)} trials; best checkpoint scores "
+        f"{evaluation.mean_return:.1f} ± {evaluation.std_return:.1f} on "
+        f"{evaluation.episodes} held-out episodes"
+    )
 
     registered = register_and_promote(
         RegistrationRequest(
-            model_name=model_name, checkpoint=swept.checkpoint_path,
-            experiment_path=swept.experiment_path, trial_id=str(swept.metrics["trial_id"]),
-            environment=sweep.environment, env_config=sweep.env_config,
-            evaluation_episodes=evaluation_episodes, evaluation_seed=sweep.seed,
-            evaluation=EvaluationSummary(mean_return=evaluation.mean_return,
-                                         std_return=evaluation.std_return,
-                                         episodes=evaluation.episodes, seed=sweep.seed),
+            model_name=model_name,
+            checkpoint=swept.checkpoint_path,
+            experiment_path=swept.experiment_path,
+            trial_id=str(swept.metrics["trial_id"]),
+            environment=sweep.environment,
+            env_config=sweep.env_config,
+            evaluation_episodes=evaluation_episodes,
+            evaluation_seed=sweep.seed,
+            evaluation=EvaluationSummary(
+                mean_return=evaluation.mean_return,
+                std_return=evaluation.std_return,
+                episodes=evaluation.episodes,
+                seed=sweep.seed,
+            ),
             best_config=swept.best_config,
-            metrics={k: float(v) for k, v in swept.metrics.items()
-                     if isinstance(v, int | float) and not isinstance(v, bool)},
+            metrics={
+                k: float(v)
+                for k, v in swept.metrics.items()
+                if isinstance(v, int | float) and not isinstance(v, bool)
+            },
             trials=[t.model_dump() for t in swept.trials],
-            dataset_fingerprint=dataset.fingerprint if dataset else None),
-        mlflow_server=server, margin=margin, mlflow_experiment=mlflow_experiment)
+            dataset_fingerprint=dataset.fingerprint if dataset else None,
+        ),
+        mlflow_server=server,
+        margin=margin,
+        mlflow_experiment=mlflow_experiment,
+    )
     version = registered.version
     tag_lineage(server, model_name, version, sweep_run)
-    print(f"{model_name} v{version}: "
-          f"{'promoted to champion' if registered.promoted else 'not promoted'}: "
-          f"{registered.reason}")
+    print(
+        f"{model_name} v{version}: "
+        f"{'promoted to champion' if registered.promoted else 'not promoted'}: "
+        f"{registered.reason}"
+    )
 
     route_url = f"{cluster.serve_url}/{route}" if ship else None
     rollout: RolloutResult | None = None
@@ -201,25 +244,40 @@ def train_and_ship(
     else:
         served = served_version(route_url)
         champion = None if registered.promoted else champion_version(server, model_name)
-        target, reason = rollout_decision(version, registered.promoted, champion, served,
-                                          route, registered.reason)
+        target, reason = rollout_decision(
+            version, registered.promoted, champion, served, route, registered.reason
+        )
         logger.info("rollout: %s", reason)
         if target is not None:
             # A rejected or rolled-back rollout raises RolloutFailed: this run fails with it.
-            rollout = serve_rollout(model_name=model_name, version=target, route=route,
-                                    gates=gates, serving=serving, ray_cluster=cluster,
-                                    mlflow_server=server)
+            rollout = serve_rollout(
+                model_name=model_name,
+                version=target,
+                route=route,
+                gates=gates,
+                serving=serving,
+                ray_cluster=cluster,
+                mlflow_server=server,
+            )
             served = rollout.version
             reason = f"{reason}; rollout: {rollout.outcome} ({rollout.reason})"
         shipped = rollout is not None
 
     result = PipelineResult(
-        model_name=model_name, version=version, eval_mean_return=evaluation.mean_return,
-        promoted=registered.promoted, promotion_reason=registered.reason, shipped=shipped,
-        reason=reason, served_version=served, route_url=route_url, rollout=rollout,
+        model_name=model_name,
+        version=version,
+        eval_mean_return=evaluation.mean_return,
+        promoted=registered.promoted,
+        promotion_reason=registered.reason,
+        shipped=shipped,
+        reason=reason,
+        served_version=served,
+        route_url=route_url,
+        rollout=rollout,
         model_version_url=lineage.model_version_url(server, model_name, version),
         sweep_flow_run_id=sweep_run,
-        dataset_fingerprint=dataset.fingerprint if dataset else None)
+        dataset_fingerprint=dataset.fingerprint if dataset else None,
+    )
     _summarise(result, sweep.environment)
     return result
 
@@ -234,12 +292,18 @@ def _summarise(result: PipelineResult, environment: str) -> None:
         f"- MLflow: {result.model_version_url}",
     ]
     if result.route_url:
-        lines.append(f"- served: `{result.route_url}` answers with "
-                     f"{VERSION_HEADER}: {result.served_version or 'nothing'}")
+        lines.append(
+            f"- served: `{result.route_url}` answers with "
+            f"{VERSION_HEADER}: {result.served_version or 'nothing'}"
+        )
         if environment == "CartPole-v1":
             body = json.dumps({"observation": [0.01, -0.02, 0.03, 0.04]})
-            lines.append(f"\n```\ncurl -si -XPOST {result.route_url} -H 'content-type: "
-                         f"application/json' -d '{body}'\n```")
-    create_markdown_artifact(key="train-and-ship", markdown="\n".join(lines),
-                             description=f"{result.model_name} v{result.version}: "
-                                         f"{result.reason}")
+            lines.append(
+                f"\n```\ncurl -si -XPOST {result.route_url} -H 'content-type: "
+                f"application/json' -d '{body}'\n```"
+            )
+    create_markdown_artifact(
+        key="train-and-ship",
+        markdown="\n".join(lines),
+        description=f"{result.model_name} v{result.version}: {result.reason}",
+    )

@@ -44,11 +44,17 @@ def probe(index: int) -> WorkerProbe:
     import workloads
 
     server_module = sys.modules.get("prefect.server.api.server")
-    temporary = bool(server_module and any(
-        s.running for s in server_module.SubprocessASGIServer._instances.values()))
-    return WorkerProbe(index=index, pid=os.getpid(),
-                       prefect_api_url=get_current_settings().api.url,
-                       temporary_server=temporary, workloads_path=workloads.__file__)
+    temporary = bool(
+        server_module
+        and any(s.running for s in server_module.SubprocessASGIServer._instances.values())
+    )
+    return WorkerProbe(
+        index=index,
+        pid=os.getpid(),
+        prefect_api_url=get_current_settings().api.url,
+        temporary_server=temporary,
+        workloads_path=workloads.__file__,
+    )
 
 
 @flow(name="ray-fan-out")
@@ -86,10 +92,12 @@ def ray_smoke(
     )
     create_markdown_artifact(
         key="ray-smoke",
-        markdown=(f"**{report.tasks} tasks** on Ray ({cluster.address or 'embedded'}), "
-                  f"{len(report.worker_pids)} worker processes, "
-                  f"{report.temporary_servers} temporary Prefect servers.\n\n"
-                  f"Prefect API seen by workers: {', '.join(map(str, report.prefect_api_urls))}"),
+        markdown=(
+            f"**{report.tasks} tasks** on Ray ({cluster.address or 'embedded'}), "
+            f"{len(report.worker_pids)} worker processes, "
+            f"{report.temporary_servers} temporary Prefect servers.\n\n"
+            f"Prefect API seen by workers: {', '.join(map(str, report.prefect_api_urls))}"
+        ),
         description="What the Ray workers saw of Prefect",
     )
     print(report.model_dump_json())

@@ -60,19 +60,42 @@ def reconcile(
         return ReconcileResult(action="no_champion", reason="no champion", live=live_version)
     if champion.version == live_version:
         logger.info("%s v%s is champion and live: in sync", model_name, live_version)
-        return ReconcileResult(action="in_sync", reason="champion is live",
-                               champion=champion.version, live=live_version)
+        return ReconcileResult(
+            action="in_sync",
+            reason="champion is live",
+            champion=champion.version,
+            live=live_version,
+        )
     verdict = champion.tags.get(f"{registry.TAG}.rollout.verdict")
     if verdict in FAILED_VERDICTS:
         why = champion.tags.get(f"{registry.TAG}.rollout.reason", "")
-        logger.warning("champion v%s already failed a rollout (%s: %s); v%s keeps serving",
-                       champion.version, verdict, why, live_version)
-        return ReconcileResult(action="skipped_failed", reason=f"{verdict}: {why}",
-                               champion=champion.version, live=live_version)
-    logger.info("champion v%s differs from live v%s: rolling out", champion.version,
-                live_version)
-    result = serve_rollout(model_name=model_name, version=champion.version, route=route,
-                           gates=gates, serving=serving, ray_cluster=ray_cluster,
-                           mlflow_server=server)
-    return ReconcileResult(action="rolled_out", reason=result.outcome,
-                           champion=champion.version, live=result.version, rollout=result)
+        logger.warning(
+            "champion v%s already failed a rollout (%s: %s); v%s keeps serving",
+            champion.version,
+            verdict,
+            why,
+            live_version,
+        )
+        return ReconcileResult(
+            action="skipped_failed",
+            reason=f"{verdict}: {why}",
+            champion=champion.version,
+            live=live_version,
+        )
+    logger.info("champion v%s differs from live v%s: rolling out", champion.version, live_version)
+    result = serve_rollout(
+        model_name=model_name,
+        version=champion.version,
+        route=route,
+        gates=gates,
+        serving=serving,
+        ray_cluster=ray_cluster,
+        mlflow_server=server,
+    )
+    return ReconcileResult(
+        action="rolled_out",
+        reason=result.outcome,
+        champion=champion.version,
+        live=result.version,
+        rollout=result,
+    )

@@ -24,28 +24,42 @@ class RegistrationRequest(BaseModel):
     model_name: str = Field(DEFAULT_MODEL_NAME, description="Registered model name in MLflow.")
     checkpoint: str = Field(description="Path of the trial's Algorithm checkpoint.")
     experiment_path: str = Field(description="The Tune experiment the trial belongs to.")
-    trial_id: str = Field(description="The Tune trial id; with the experiment, the identity "
-                                      "that makes registration idempotent.")
-    environment: str = Field("CartPole-v1", description="Gymnasium id or `module:function` "
-                                                        "env creator used for evaluation.")
-    env_config: dict[str, Any] = Field(default_factory=dict,
-                                       description="env_config passed to the env creator.")
-    evaluation_episodes: int = Field(10, ge=1, le=1000,
-                                     description="Held-out greedy episodes per evaluation.")
-    evaluation_seed: int = Field(0, description="Base seed of the held-out episodes; champion "
-                                                "and challenger are scored on the same seeds.")
+    trial_id: str = Field(
+        description="The Tune trial id; with the experiment, the identity "
+        "that makes registration idempotent."
+    )
+    environment: str = Field(
+        "CartPole-v1",
+        description="Gymnasium id or `module:function` env creator used for evaluation.",
+    )
+    env_config: dict[str, Any] = Field(
+        default_factory=dict, description="env_config passed to the env creator."
+    )
+    evaluation_episodes: int = Field(
+        10, ge=1, le=1000, description="Held-out greedy episodes per evaluation."
+    )
+    evaluation_seed: int = Field(
+        0,
+        description="Base seed of the held-out episodes; champion "
+        "and challenger are scored on the same seeds.",
+    )
     evaluation: EvaluationSummary | None = Field(
-        None, description="The sweep's evaluation of this checkpoint under the same protocol; "
-                          "evaluated again when empty.")
-    best_config: dict[str, Any] = Field(default_factory=dict,
-                                        description="The trial's config, logged as params.")
-    metrics: dict[str, float] = Field(default_factory=dict,
-                                      description="The trial's final metrics.")
-    trials: list[dict[str, Any]] = Field(default_factory=list,
-                                         description="The sweep's trial table, logged as an "
-                                                     "artifact.")
-    dataset_fingerprint: str | None = Field(None, description="Fingerprint of the training "
-                                                              "data, when there was a data prep.")
+        None,
+        description="The sweep's evaluation of this checkpoint under the same protocol; "
+        "evaluated again when empty.",
+    )
+    best_config: dict[str, Any] = Field(
+        default_factory=dict, description="The trial's config, logged as params."
+    )
+    metrics: dict[str, float] = Field(
+        default_factory=dict, description="The trial's final metrics."
+    )
+    trials: list[dict[str, Any]] = Field(
+        default_factory=list, description="The sweep's trial table, logged as an artifact."
+    )
+    dataset_fingerprint: str | None = Field(
+        None, description="Fingerprint of the training data, when there was a data prep."
+    )
 
     @field_validator("model_name")
     @classmethod
@@ -54,8 +68,9 @@ class RegistrationRequest(BaseModel):
 
     @property
     def protocol(self) -> EvalProtocol:
-        return EvalProtocol(self.environment, self.evaluation_episodes, self.evaluation_seed,
-                            self.env_config)
+        return EvalProtocol(
+            self.environment, self.evaluation_episodes, self.evaluation_seed, self.env_config
+        )
 
 
 class RegistrationResult(BaseModel):
@@ -89,31 +104,62 @@ def register_and_promote(
     protocol = request.protocol
     evaluation = request.evaluation
     if evaluation is None or (evaluation.episodes, evaluation.seed) != (
-            protocol.episodes, protocol.seed):
+        protocol.episodes,
+        protocol.seed,
+    ):
         evaluation = evaluate(request.checkpoint, protocol)
     registration = register(
-        server, model_name=request.model_name, checkpoint=request.checkpoint,
-        experiment_path=request.experiment_path, trial_id=request.trial_id, protocol=protocol,
-        evaluation=evaluation, best_config=request.best_config, metrics=request.metrics,
-        trials=request.trials, dataset_fingerprint=request.dataset_fingerprint,
-        mlflow_experiment=mlflow_experiment, create_model=create_model)
-    verdict = promote(server, model_name=request.model_name, version=registration.version,
-                      protocol=protocol, margin=margin)
-    lineage.record_model_version(
-        server, request.model_name, registration.version,
+        server,
+        model_name=request.model_name,
+        checkpoint=request.checkpoint,
         experiment_path=request.experiment_path,
-        metadata={"trial_id": request.trial_id, "eval_mean_return": evaluation.mean_return,
-                  "promoted": verdict.promote, "reason": verdict.reason,
-                  "model_uri": registration.model_uri,
-                  "dataset_fingerprint": request.dataset_fingerprint})
+        trial_id=request.trial_id,
+        protocol=protocol,
+        evaluation=evaluation,
+        best_config=request.best_config,
+        metrics=request.metrics,
+        trials=request.trials,
+        dataset_fingerprint=request.dataset_fingerprint,
+        mlflow_experiment=mlflow_experiment,
+        create_model=create_model,
+    )
+    verdict = promote(
+        server,
+        model_name=request.model_name,
+        version=registration.version,
+        protocol=protocol,
+        margin=margin,
+    )
+    lineage.record_model_version(
+        server,
+        request.model_name,
+        registration.version,
+        experiment_path=request.experiment_path,
+        metadata={
+            "trial_id": request.trial_id,
+            "eval_mean_return": evaluation.mean_return,
+            "promoted": verdict.promote,
+            "reason": verdict.reason,
+            "model_uri": registration.model_uri,
+            "dataset_fingerprint": request.dataset_fingerprint,
+        },
+    )
     create_markdown_artifact(
         key="registration",
-        markdown=(f"**{request.model_name} v{registration.version}** "
-                  f"({'new' if registration.created else 'already registered'}): "
-                  f"{'promoted to champion' if verdict.promote else 'not promoted'}: "
-                  f"{verdict.reason}\n\nModel: "
-                  f"{lineage.model_version_url(server, request.model_name, registration.version)}"),
-        description="MLflow registration and promotion verdict")
-    return RegistrationResult(model_name=request.model_name, version=registration.version,
-                              created=registration.created, promoted=verdict.promote,
-                              reason=verdict.reason, model_uri=registration.model_uri)
+        markdown=(
+            f"**{request.model_name} v{registration.version}** "
+            f"({'new' if registration.created else 'already registered'}): "
+            f"{'promoted to champion' if verdict.promote else 'not promoted'}: "
+            f"{verdict.reason}\n\nModel: "
+            f"{lineage.model_version_url(server, request.model_name, registration.version)}"
+        ),
+        description="MLflow registration and promotion verdict",
+    )
+    return RegistrationResult(
+        model_name=request.model_name,
+        version=registration.version,
+        created=registration.created,
+        promoted=verdict.promote,
+        reason=verdict.reason,
+        model_uri=registration.model_uri,
+    )

@@ -68,22 +68,36 @@ class Timeline:
         self.entries: list[dict[str, Any]] = []
 
     def add(self, stage: str, outcome: str, detail: str, figures: dict | None = None) -> None:
-        self.entries.append({"at_s": round(time.monotonic() - self.started, 1), "stage": stage,
-                             "outcome": outcome, "detail": detail,
-                             "figures": {k: v for k, v in (figures or {}).items()
-                                         if k not in ("timeline", "reason", "at")}})
+        self.entries.append(
+            {
+                "at_s": round(time.monotonic() - self.started, 1),
+                "stage": stage,
+                "outcome": outcome,
+                "detail": detail,
+                "figures": {
+                    k: v
+                    for k, v in (figures or {}).items()
+                    if k not in ("timeline", "reason", "at")
+                },
+            }
+        )
         get_run_logger().info("%s: %s (%s)", stage, outcome, detail)
 
     def publish(self, decision: str) -> None:
         rows = "\n".join(
             f"| {e['at_s']:.1f} s | {e['stage']} | {e['outcome']} | {e['detail']} | "
-            f"{_figures(e['figures'])} |" for e in self.entries)
+            f"{_figures(e['figures'])} |"
+            for e in self.entries
+        )
         create_markdown_artifact(
             key="rollout",
-            markdown=(f"## {self.title}\n\n**Decision: {decision}**\n\n"
-                      f"| at | stage | outcome | detail | figures |\n|---|---|---|---|---|\n"
-                      f"{rows}\n\n_{datetime.now(UTC).isoformat(timespec='seconds')}_"),
-            description=f"{self.title}: {decision}")
+            markdown=(
+                f"## {self.title}\n\n**Decision: {decision}**\n\n"
+                f"| at | stage | outcome | detail | figures |\n|---|---|---|---|---|\n"
+                f"{rows}\n\n_{datetime.now(UTC).isoformat(timespec='seconds')}_"
+            ),
+            description=f"{self.title}: {decision}",
+        )
 
 
 def _figures(figures: dict[str, Any]) -> str:
@@ -140,22 +154,30 @@ def serve_rollout(
     sc.validate_route(route)
     serving.version_options()
     if cluster.is_embedded:
-        raise ValueError("serve_rollout needs a Ray cluster that outlives the flow run: set "
-                         "the RayCluster block's address (an embedded Ray stops with the run)")
+        raise ValueError(
+            "serve_rollout needs a Ray cluster that outlives the flow run: set "
+            "the RayCluster block's address (an embedded Ray stops with the run)"
+        )
     version = _resolve(server, model_name, version, alias)
     with concurrency(ensure_rollout_limit(route), occupy=1), cluster.connect() as joined:
         sc.start(cluster.serve_host, cluster.serve_port)
         try:
-            result = _rollout(model_name, version, route, gates, serving, drill, cluster,
-                              server, kind, llm)
+            result = _rollout(
+                model_name, version, route, gates, serving, drill, cluster, server, kind, llm
+            )
         finally:
             if joined is not None:  # this flow started the Ray connection: leave no handles
                 sc.release()
     if result.outcome != "already_live":
-        lineage.record_serving(cluster, server, model_name, version,
-                               app=sc.version_app_name(model_name, version), route=route,
-                               metadata={"outcome": result.outcome,
-                                         "previous_version": result.previous_version})
+        lineage.record_serving(
+            cluster,
+            server,
+            model_name,
+            version,
+            app=sc.version_app_name(model_name, version),
+            route=route,
+            metadata={"outcome": result.outcome, "previous_version": result.previous_version},
+        )
     return result
 
 
@@ -166,33 +188,57 @@ def _resolve(server: MLflowServer, model_name: str, version: str | None, alias: 
         else:
             found = registry.resolve_alias(client, model_name, alias)
             if found is None:
-                raise ValueError(f"{model_name} has no version with alias {alias!r}; pass a "
-                                 f"version or set the alias")
+                raise ValueError(
+                    f"{model_name} has no version with alias {alias!r}; pass a "
+                    f"version or set the alias"
+                )
     if found.status != "READY":
         raise ValueError(f"{model_name} v{found.version} is {found.status}, not READY")
     return str(found.version)
 
 
-def _rollout(model_name: str, version: str, route: str, gates: Gates, serving: Serving,
-             drill: Drill, cluster: RayCluster, server: MLflowServer, kind: str,
-             llm: LLMServing) -> RolloutResult:
+def _rollout(
+    model_name: str,
+    version: str,
+    route: str,
+    gates: Gates,
+    serving: Serving,
+    drill: Drill,
+    cluster: RayCluster,
+    server: MLflowServer,
+    kind: str,
+    llm: LLMServing,
+) -> RolloutResult:
     timeline = Timeline(model_name, version, route)
     env = serving_runtime_env(cluster)
-    app_config, candidate, health_period_s = version_app(kind, server, model_name, version,
-                                                         serving, llm, drill.faults, env)
+    app_config, candidate, health_period_s = version_app(
+        kind, server, model_name, version, serving, llm, drill.faults, env
+    )
     router = current_router(route)
     live = router.live if router else None
     url = f"{cluster.serve_url}/{route}"
-    result = dict(model_name=model_name, version=version, route=route, url=url,
-                  previous_version=live.version if live else None)
+    result = dict(
+        model_name=model_name,
+        version=version,
+        route=route,
+        url=url,
+        previous_version=live.version if live else None,
+    )
 
     if live is not None and live.version == version and live.app == candidate.app:
-        record(server, model_name, version, {"route": route, "app": candidate.app},
-               move_live_to=version, reason=f"already served on /{route}")
+        record(
+            server,
+            model_name,
+            version,
+            {"route": route, "app": candidate.app},
+            move_live_to=version,
+            reason=f"already served on /{route}",
+        )
         timeline.add("check", "already live", f"v{version} already serves /{route}")
         timeline.publish("nothing to do")
-        return RolloutResult(outcome="already_live", reason="already live",
-                             timeline=timeline.entries, **result)
+        return RolloutResult(
+            outcome="already_live", reason="already live", timeline=timeline.entries, **result
+        )
 
     stage_figures: dict[str, Any] = {}
     try:
@@ -201,20 +247,39 @@ def _rollout(model_name: str, version: str, route: str, gates: Gates, serving: S
         smoked = smoke(candidate, gates)
         timeline.add("smoke", "passed", smoked["reason"], smoked)
         if live is None:
-            swapped = swap(route, candidate, gates, env, serving,
-                           inline=candidate.model is not None)
-            record(server, model_name, version,
-                   {"verdict": "promoted", "route": route, "app": candidate.app,
-                    "reason": "first rollout: health and smoke gates passed"},
-                   move_live_to=version, reason=f"first rollout on /{route}")
+            swapped = swap(
+                route, candidate, gates, env, serving, inline=candidate.model is not None
+            )
+            record(
+                server,
+                model_name,
+                version,
+                {
+                    "verdict": "promoted",
+                    "route": route,
+                    "app": candidate.app,
+                    "reason": "first rollout: health and smoke gates passed",
+                },
+                move_live_to=version,
+                reason=f"first rollout on /{route}",
+            )
             timeline.add("router", "created", f"/{route} serves v{version}", swapped)
             emit("promoted", model_name, version, route, {"first": True, "url": url})
             timeline.publish(f"v{version} serves /{route} (first rollout)")
-            return RolloutResult(outcome="first_rollout", reason="first rollout",
-                                 timeline=timeline.entries, **result)
+            return RolloutResult(
+                outcome="first_rollout", reason="first rollout", timeline=timeline.entries, **result
+            )
         for weight in gates.canary_steps:
-            step = canary_step(route, weight, live, candidate, gates, env, serving,
-                               router.inline_live and live.model is not None)
+            step = canary_step(
+                route,
+                weight,
+                live,
+                candidate,
+                gates,
+                env,
+                serving,
+                router.inline_live and live.model is not None,
+            )
             timeline.add(f"canary {weight:.0%}", "passed", step["reason"], step)
     except GateFailed as failure:
         withdraw(route, live, candidate.app, gates, env, serving)
@@ -224,11 +289,17 @@ def _rollout(model_name: str, version: str, route: str, gates: Gates, serving: S
         raise
 
     swapped = swap(route, candidate, gates, env, serving, inline=False)
-    record(server, model_name, version, {"verdict": "swapped", "route": route,
-                                         "app": candidate.app},
-           move_live_to=version, reason="passed health, smoke and canary gates")
-    timeline.add("swap", "done", f"/{route} -> v{version}; alias live moved",
-                 {"seconds": swapped["seconds"]})
+    record(
+        server,
+        model_name,
+        version,
+        {"verdict": "swapped", "route": route, "app": candidate.app},
+        move_live_to=version,
+        reason="passed health, smoke and canary gates",
+    )
+    timeline.add(
+        "swap", "done", f"/{route} -> v{version}; alias live moved", {"seconds": swapped["seconds"]}
+    )
     if drill.after_swap:
         inject(candidate.app, drill.after_swap)
         timeline.add("drill", "injected", f"after the swap: {drill.after_swap}")
@@ -237,8 +308,10 @@ def _rollout(model_name: str, version: str, route: str, gates: Gates, serving: S
     except GateFailed as failure:
         undone = rollback(route, live, candidate.app, gates, env, serving)
         detected = failure.figures.get("detected_at")
-        stage_figures = {"seconds_to_rollback": round(time.time() - detected, 2)
-                         if detected else None, **undone}
+        stage_figures = {
+            "seconds_to_rollback": round(time.time() - detected, 2) if detected else None,
+            **undone,
+        }
         timeline.add("rollback", "done", f"/{route} -> v{live.version}", stage_figures)
         return _reject(failure, "rolled_back", timeline, server, result, live)
     except BaseException:
@@ -246,30 +319,56 @@ def _rollout(model_name: str, version: str, route: str, gates: Gates, serving: S
         raise
     timeline.add("bake", "passed", baked["reason"], baked.get("figures") or {})
     retired = retire(route, candidate, live.app, gates, env, serving)
-    timeline.add("retire", "done", f"v{live.version}'s app deleted; router hosts v{version} "
-                 f"{'in process' if retired['inline'] else 'through its app'}", retired)
-    record(server, model_name, version, {"verdict": "promoted", "route": route,
-                                         "app": candidate.app, "reason": baked["reason"]})
+    timeline.add(
+        "retire",
+        "done",
+        f"v{live.version}'s app deleted; router hosts v{version} "
+        f"{'in process' if retired['inline'] else 'through its app'}",
+        retired,
+    )
+    record(
+        server,
+        model_name,
+        version,
+        {"verdict": "promoted", "route": route, "app": candidate.app, "reason": baked["reason"]},
+    )
     emit("promoted", model_name, version, route, {"previous": live.version, "url": url})
     timeline.publish(f"v{version} replaced v{live.version} on /{route}")
-    return RolloutResult(outcome="promoted", reason=baked["reason"],
-                         timeline=timeline.entries, **result)
+    return RolloutResult(
+        outcome="promoted", reason=baked["reason"], timeline=timeline.entries, **result
+    )
 
 
-def _reject(failure: GateFailed, verdict: str, timeline: Timeline, server: MLflowServer,
-            result: dict[str, Any], live) -> RolloutResult:
+def _reject(
+    failure: GateFailed,
+    verdict: str,
+    timeline: Timeline,
+    server: MLflowServer,
+    result: dict[str, Any],
+    live,
+) -> RolloutResult:
     model_name, version, route = result["model_name"], result["version"], result["route"]
     timeline.add(failure.stage, "failed", failure.reason, failure.figures)
-    record(server, model_name, version,
-           {"verdict": verdict, "stage": failure.stage, "reason": failure.reason,
-            "route": route},
-           move_live_to=live.version if verdict == "rolled_back" else None,
-           reason=f"rollback: v{version} {failure.reason}")
-    emit(verdict.replace("_", "-"), model_name, version, route,
-         {"stage": failure.stage, "reason": failure.reason, "live": live and live.version})
-    decision = (f"v{version} {'rolled back' if verdict == 'rolled_back' else 'rejected'} at "
-                f"{failure.stage}: {failure.reason}; v{live.version if live else '?'} serves "
-                f"/{route}")
+    record(
+        server,
+        model_name,
+        version,
+        {"verdict": verdict, "stage": failure.stage, "reason": failure.reason, "route": route},
+        move_live_to=live.version if verdict == "rolled_back" else None,
+        reason=f"rollback: v{version} {failure.reason}",
+    )
+    emit(
+        verdict.replace("_", "-"),
+        model_name,
+        version,
+        route,
+        {"stage": failure.stage, "reason": failure.reason, "live": live and live.version},
+    )
+    decision = (
+        f"v{version} {'rolled back' if verdict == 'rolled_back' else 'rejected'} at "
+        f"{failure.stage}: {failure.reason}; v{live.version if live else '?'} serves "
+        f"/{route}"
+    )
     timeline.publish(decision)
     raise RolloutFailed(decision)
 

@@ -59,19 +59,40 @@ def tune_sweep(
     if swept.is_cancelled():
         return swept  # cancelled in Prefect: Tune stopped its trials; end the run Cancelled
     outcome = swept.result()
-    evaluation = evaluate(outcome.best.checkpoint, sweep.environment, sweep.env_config,
-                          evaluation_episodes, sweep.seed)
+    evaluation = evaluate(
+        outcome.best.checkpoint,
+        sweep.environment,
+        sweep.env_config,
+        evaluation_episodes,
+        sweep.seed,
+    )
     publish(outcome, evaluation)
     best = outcome.best
-    lineage.record_experiment(outcome.experiment_path, deps=list(asset_deps or []), metadata={
-        "flow_run_id": str(flow_run.id), "best_trial_id": best.trial_id,
-        "best_return": best.best_return, "eval_mean_return": evaluation.mean_return,
-        "trials": len(outcome.trials), "algorithm": sweep.algorithm,
-        "environment": sweep.environment})
+    lineage.record_experiment(
+        outcome.experiment_path,
+        deps=list(asset_deps or []),
+        metadata={
+            "flow_run_id": str(flow_run.id),
+            "best_trial_id": best.trial_id,
+            "best_return": best.best_return,
+            "eval_mean_return": evaluation.mean_return,
+            "trials": len(outcome.trials),
+            "algorithm": sweep.algorithm,
+            "environment": sweep.environment,
+        },
+    )
     return SweepResult(
         best_config=best.config,
-        metrics={"best_return": best.best_return, "env_steps": best.env_steps,
-                 "iterations": best.iterations, "trial_id": best.trial_id,
-                 "flow_run_id": str(flow_run.id)},
-        checkpoint_path=best.checkpoint, experiment_path=outcome.experiment_path,
-        evaluation=evaluation, trials=outcome.trials, resumed=outcome.resumed)
+        metrics={
+            "best_return": best.best_return,
+            "env_steps": best.env_steps,
+            "iterations": best.iterations,
+            "trial_id": best.trial_id,
+            "flow_run_id": str(flow_run.id),
+        },
+        checkpoint_path=best.checkpoint,
+        experiment_path=outcome.experiment_path,
+        evaluation=evaluation,
+        trials=outcome.trials,
+        resumed=outcome.resumed,
+    )

@@ -32,8 +32,9 @@ class RowFilterParam(BaseModel):
     @model_validator(mode="after")
     def _list_for_membership(self) -> RowFilterParam:
         if self.op in ("in", "not in") and not isinstance(self.value, list):
-            raise ValueError(f"filter on {self.column!r}: {self.op!r} needs a list value, "
-                             f"got {self.value!r}")
+            raise ValueError(
+                f"filter on {self.column!r}: {self.op!r} needs a list value, got {self.value!r}"
+            )
         return self
 
 
@@ -61,11 +62,16 @@ class DatasetPlan(BaseModel):
 
     def spec(self) -> data.PipelineSpec:
         return data.PipelineSpec(
-            format=self.format, schema=self.schema_, required=tuple(self.required),
+            format=self.format,
+            schema=self.schema_,
+            required=tuple(self.required),
             filters=tuple(data.RowFilter(f.column, f.op, f.value) for f in self.filters),
-            transform=self.transform, transform_kwargs=self.transform_kwargs,
-            batch_format=self.batch_format, split_key=self.split_key,
-            eval_fraction=self.eval_fraction)
+            transform=self.transform,
+            transform_kwargs=self.transform_kwargs,
+            batch_format=self.batch_format,
+            split_key=self.split_key,
+            eval_fraction=self.eval_fraction,
+        )
 
 
 class DatasetResult(BaseModel):
@@ -78,8 +84,10 @@ class DatasetResult(BaseModel):
     quarantine_path: str = Field(description="Parquet folder of the bad rows, with reasons.")
     asset_key: str = Field(description="The Prefect asset this dataset materialises.")
     source: str = Field(description="The source it was made from.")
-    fingerprint: str = Field(description="Content fingerprint (source bytes, transform "
-                             "source, parameters): equal fingerprints, equal datasets.")
+    fingerprint: str = Field(
+        description="Content fingerprint (source bytes, transform "
+        "source, parameters): equal fingerprints, equal datasets."
+    )
     rows_in: int = Field(description="Rows in the source.")
     rows_train: int = Field(description="Rows written to train.")
     rows_eval: int = Field(description="Rows written to eval.")
@@ -87,8 +95,11 @@ class DatasetResult(BaseModel):
     rows_filtered: int = Field(description="Good rows the filters left out.")
     reasons: dict[str, int] = Field(description="Quarantined rows per reason.")
     output_schema: dict[str, str] = Field(description="Columns and arrow types of the output.")
-    cache_hit: bool = Field(default=False, description="True when this run reused the "
-                            "published dataset with the same fingerprint and did no Ray work.")
+    cache_hit: bool = Field(
+        default=False,
+        description="True when this run reused the "
+        "published dataset with the same fingerprint and did no Ray work.",
+    )
 
 
 class Verdict(BaseModel):
@@ -100,16 +111,21 @@ class TooManyBadRows(RuntimeError):
     """The quarantine holds more than the allowed share of the source's rows."""
 
 
-def judge_bad_rows(rows_in: int, quarantined: int, max_bad_fraction: float,
-                   reasons: dict[str, int], first_reasons: list[str]) -> Verdict:
+def judge_bad_rows(
+    rows_in: int,
+    quarantined: int,
+    max_bad_fraction: float,
+    reasons: dict[str, int],
+    first_reasons: list[str],
+) -> Verdict:
     """Pass when the quarantined share is at most `max_bad_fraction`; the reason says why."""
     share = quarantined / rows_in if rows_in else 0.0
-    counts = f"{quarantined} of {rows_in} rows quarantined ({share:.2%}, limit " \
-             f"{max_bad_fraction:.2%})"
+    counts = (
+        f"{quarantined} of {rows_in} rows quarantined ({share:.2%}, limit {max_bad_fraction:.2%})"
+    )
     if share <= max_bad_fraction:
         return Verdict(passed=True, reason=counts)
-    return Verdict(passed=False, reason=f"{counts}; by reason {reasons}; first: "
-                                        f"{first_reasons}")
+    return Verdict(passed=False, reason=f"{counts}; by reason {reasons}; first: {first_reasons}")
 
 
 def plan_parameters(params: Any) -> dict[str, Any]:
@@ -125,26 +141,41 @@ def plan_dataset(params: Any) -> DatasetPlan:
     files = data.resolve_source(params.source)
     summary = data.summarize_source(files)
     if not summary.has_rows:
-        raise data.SourceError(f"source {params.source!r} has no rows "
-                               f"({len(files.paths)} {files.format} files)")
+        raise data.SourceError(
+            f"source {params.source!r} has no rows ({len(files.paths)} {files.format} files)"
+        )
     schema = data.resolve_schema(
-        summary, params.expected_schema, params.required_columns,
-        [params.split_key, *(f.column for f in params.filters)])
+        summary,
+        params.expected_schema,
+        params.required_columns,
+        [params.split_key, *(f.column for f in params.filters)],
+    )
     if params.transform is not None:
         data.load_transform(params.transform)
     output_fs, output_path = data.filesystem_and_path(params.output)
     output_uri = data.to_uri(output_fs, output_path)
     Asset(key=output_uri)  # fails now, naming the key, if Prefect cannot take it
-    fingerprint = data.content_fingerprint(files, data.transform_source(params.transform),
-                                           plan_parameters(params))
+    fingerprint = data.content_fingerprint(
+        files, data.transform_source(params.transform), plan_parameters(params)
+    )
     return DatasetPlan(
-        source=params.source, source_uri=_lineage_key(files), format=files.format,
-        paths=list(files.paths), schema=schema, required=list(params.required_columns),
-        filters=list(params.filters), transform=params.transform,
-        transform_kwargs=params.transform_kwargs, batch_format=params.transform_batch_format,
-        split_key=params.split_key, eval_fraction=params.eval_fraction,
-        max_bad_fraction=params.max_bad_fraction, output=output_path, output_uri=output_uri,
-        fingerprint=fingerprint)
+        source=params.source,
+        source_uri=_lineage_key(files),
+        format=files.format,
+        paths=list(files.paths),
+        schema=schema,
+        required=list(params.required_columns),
+        filters=list(params.filters),
+        transform=params.transform,
+        transform_kwargs=params.transform_kwargs,
+        batch_format=params.transform_batch_format,
+        split_key=params.split_key,
+        eval_fraction=params.eval_fraction,
+        max_bad_fraction=params.max_bad_fraction,
+        output=output_path,
+        output_uri=output_uri,
+        fingerprint=fingerprint,
+    )
 
 
 def _lineage_key(files: data.SourceFiles) -> str:
@@ -177,49 +208,80 @@ def find_cached(plan: DatasetPlan) -> DatasetResult | None:
 def check_source_file(plan: DatasetPlan, path: str, staging: str) -> data.FileCheck:
     """Count one file's rows; quarantine a file that lacks schema columns, and CSV lines
     with the wrong number of fields."""
-    return data.check_file(data.filesystem_and_path(plan.source)[0], path, plan.format,
-                           plan.schema_, posixpath.join(staging, data.QUARANTINE_DIR))
+    return data.check_file(
+        data.filesystem_and_path(plan.source)[0],
+        path,
+        plan.format,
+        plan.schema_,
+        posixpath.join(staging, data.QUARANTINE_DIR),
+    )
 
 
 @task(cache_policy=NO_CACHE)
-def prepare_dataset(plan: DatasetPlan, staging: str,
-                    checks: list[data.FileCheck]) -> data.StagedCounts:
+def prepare_dataset(
+    plan: DatasetPlan, staging: str, checks: list[data.FileCheck]
+) -> data.StagedCounts:
     """The one Ray Data pipeline: read, validate, transform, split, write into `staging`."""
     paths = [c.path for c in checks if c.readable_by_pipeline]
-    return data.run_pipeline(data.filesystem_and_path(plan.source)[0], paths, plan.spec(),
-                             staging, _output_fs(plan))
+    return data.run_pipeline(
+        data.filesystem_and_path(plan.source)[0], paths, plan.spec(), staging, _output_fs(plan)
+    )
 
 
-def dataset_result(plan: DatasetPlan, checks: list[data.FileCheck],
-                   staged: data.StagedCounts) -> DatasetResult:
+def dataset_result(
+    plan: DatasetPlan, checks: list[data.FileCheck], staged: data.StagedCounts
+) -> DatasetResult:
     rows_in = sum(c.rows for c in checks)
     return DatasetResult(
-        output=plan.output, train_path=posixpath.join(plan.output, "train"),
+        output=plan.output,
+        train_path=posixpath.join(plan.output, "train"),
         eval_path=posixpath.join(plan.output, "eval"),
         quarantine_path=posixpath.join(plan.output, data.QUARANTINE_DIR),
-        asset_key=plan.output_uri, source=plan.source, fingerprint=plan.fingerprint,
-        rows_in=rows_in, rows_train=staged.rows_train, rows_eval=staged.rows_eval,
+        asset_key=plan.output_uri,
+        source=plan.source,
+        fingerprint=plan.fingerprint,
+        rows_in=rows_in,
+        rows_train=staged.rows_train,
+        rows_eval=staged.rows_eval,
         rows_quarantined=staged.rows_quarantined,
         rows_filtered=rows_in - staged.rows_train - staged.rows_eval - staged.rows_quarantined,
-        reasons=staged.reasons, output_schema=staged.schema)
+        reasons=staged.reasons,
+        output_schema=staged.schema,
+    )
 
 
 def publish_dataset(plan: DatasetPlan):
     """A task that moves the staged dataset into place and materialises it as an asset."""
-    asset = Asset(key=plan.output_uri, properties=AssetProperties(
-        name=posixpath.basename(plan.output.rstrip("/")),
-        description=f"Prepared dataset from {plan.source} (train/eval/quarantine parquet)."))
+    asset = Asset(
+        key=plan.output_uri,
+        properties=AssetProperties(
+            name=posixpath.basename(plan.output.rstrip("/")),
+            description=f"Prepared dataset from {plan.source} (train/eval/quarantine parquet).",
+        ),
+    )
 
-    @materialize(asset, by="ray-data", asset_deps=[plan.source_uri], cache_policy=NO_CACHE,
-                 name="publish-dataset")
+    @materialize(
+        asset,
+        by="ray-data",
+        asset_deps=[plan.source_uri],
+        cache_policy=NO_CACHE,
+        name="publish-dataset",
+    )
     def publish(staging: str, result: DatasetResult) -> DatasetResult:
         data.publish(_output_fs(plan), staging, plan.output, result.model_dump(mode="json"))
-        add_asset_metadata(asset, {
-            "rows_in": result.rows_in, "rows_out": result.rows_train + result.rows_eval,
-            "rows_train": result.rows_train, "rows_eval": result.rows_eval,
-            "rows_quarantined": result.rows_quarantined, "schema": result.output_schema,
-            "fingerprint": result.fingerprint, "source": plan.source_uri,
-        })
+        add_asset_metadata(
+            asset,
+            {
+                "rows_in": result.rows_in,
+                "rows_out": result.rows_train + result.rows_eval,
+                "rows_train": result.rows_train,
+                "rows_eval": result.rows_eval,
+                "rows_quarantined": result.rows_quarantined,
+                "schema": result.output_schema,
+                "fingerprint": result.fingerprint,
+                "source": plan.source_uri,
+            },
+        )
         return result
 
     return publish
@@ -233,11 +295,20 @@ def discard_staging(plan: DatasetPlan, staging: str) -> None:
 
 def summarize_dataset(result: DatasetResult) -> None:
     """A table artifact: the dataset's counts, fingerprint and where it lives."""
-    rows = [{"field": name, "value": str(value)} for name, value in (
-        ("output", result.output), ("source", result.source),
-        ("fingerprint", result.fingerprint), ("cache hit", result.cache_hit),
-        ("rows in", result.rows_in), ("rows train", result.rows_train),
-        ("rows eval", result.rows_eval), ("rows quarantined", result.rows_quarantined),
-        ("rows filtered", result.rows_filtered), ("reasons", result.reasons),
-        ("schema", result.output_schema))]
+    rows = [
+        {"field": name, "value": str(value)}
+        for name, value in (
+            ("output", result.output),
+            ("source", result.source),
+            ("fingerprint", result.fingerprint),
+            ("cache hit", result.cache_hit),
+            ("rows in", result.rows_in),
+            ("rows train", result.rows_train),
+            ("rows eval", result.rows_eval),
+            ("rows quarantined", result.rows_quarantined),
+            ("rows filtered", result.rows_filtered),
+            ("reasons", result.reasons),
+            ("schema", result.output_schema),
+        )
+    ]
     create_table_artifact(rows, key="data-prep", description=f"Dataset {result.asset_key}")

@@ -61,14 +61,24 @@ def serve_route_key(cluster: RayCluster, route: str) -> str:
     return _clean(f"rayserve://{_cluster_authority(cluster)}/routes/{route}")
 
 
-def record(key: str, *, name: str, description: str, by: str, deps: list[str],
-           metadata: dict[str, Any], url: str | None = None) -> str:
+def record(
+    key: str,
+    *,
+    name: str,
+    description: str,
+    by: str,
+    deps: list[str],
+    metadata: dict[str, Any],
+    url: str | None = None,
+) -> str:
     """Materialise one asset (a task run of its own) that depends on `deps`; returns its key."""
-    asset = Asset(key=key, properties=AssetProperties(name=name, description=description[:2500],
-                                                      url=url))
+    asset = Asset(
+        key=key, properties=AssetProperties(name=name, description=description[:2500], url=url)
+    )
 
-    @materialize(asset, by=by, asset_deps=[d for d in deps if d], cache_policy=NO_CACHE,
-                 name=f"asset-{by}")
+    @materialize(
+        asset, by=by, asset_deps=[d for d in deps if d], cache_policy=NO_CACHE, name=f"asset-{by}"
+    )
     def materialise() -> str:
         add_asset_metadata(asset, {k: v for k, v in metadata.items() if v is not None})
         return key
@@ -76,36 +86,65 @@ def record(key: str, *, name: str, description: str, by: str, deps: list[str],
     return materialise()
 
 
-def record_experiment(experiment_path: str, *, deps: list[str],
-                      metadata: dict[str, Any]) -> str:
-    return record(experiment_key(experiment_path),
-                  name=f"Tune experiment {experiment_path.rstrip('/').rsplit('/', 2)[-2]}",
-                  description=f"Ray Tune sweep at {experiment_path}: trials, checkpoints, "
-                              f"results.", by="ray-tune", deps=deps, metadata=metadata)
+def record_experiment(experiment_path: str, *, deps: list[str], metadata: dict[str, Any]) -> str:
+    return record(
+        experiment_key(experiment_path),
+        name=f"Tune experiment {experiment_path.rstrip('/').rsplit('/', 2)[-2]}",
+        description=f"Ray Tune sweep at {experiment_path}: trials, checkpoints, results.",
+        by="ray-tune",
+        deps=deps,
+        metadata=metadata,
+    )
 
 
-def record_model_version(server: MLflowServer, model_name: str, version: str, *,
-                         experiment_path: str, metadata: dict[str, Any]) -> str:
-    return record(model_version_key(server, model_name, version),
-                  name=f"{model_name} v{version}",
-                  description=f"MLflow model version {model_name} v{version} (an RLlib "
-                              f"policy), registered from a trial of {experiment_path}.",
-                  by="mlflow", deps=[experiment_key(experiment_path)], metadata=metadata,
-                  url=model_version_url(server, model_name, version))
+def record_model_version(
+    server: MLflowServer,
+    model_name: str,
+    version: str,
+    *,
+    experiment_path: str,
+    metadata: dict[str, Any],
+) -> str:
+    return record(
+        model_version_key(server, model_name, version),
+        name=f"{model_name} v{version}",
+        description=f"MLflow model version {model_name} v{version} (an RLlib "
+        f"policy), registered from a trial of {experiment_path}.",
+        by="mlflow",
+        deps=[experiment_key(experiment_path)],
+        metadata=metadata,
+        url=model_version_url(server, model_name, version),
+    )
 
 
-def record_serving(cluster: RayCluster, server: MLflowServer, model_name: str, version: str,
-                   *, app: str, route: str, metadata: dict[str, Any]) -> list[str]:
+def record_serving(
+    cluster: RayCluster,
+    server: MLflowServer,
+    model_name: str,
+    version: str,
+    *,
+    app: str,
+    route: str,
+    metadata: dict[str, Any],
+) -> list[str]:
     """The version's Serve app (depends on the model version) and the route now serving it
     (depends on the app)."""
     url = f"{cluster.serve_url}/{route}"
-    app_key = record(serve_app_key(cluster, app), name=f"Serve app {app}",
-                     description=f"Ray Serve application serving {model_name} v{version}.",
-                     by="ray-serve", deps=[model_version_key(server, model_name, version)],
-                     metadata={**metadata, "model_version": version, "app": app})
-    route_key = record(serve_route_key(cluster, route), name=f"Serve route /{route}",
-                       description=f"The stable route {url}; answers carry X-Model-Version.",
-                       by="ray-serve", deps=[app_key],
-                       metadata={**metadata, "model_version": version, "app": app, "url": url},
-                       url=url)
+    app_key = record(
+        serve_app_key(cluster, app),
+        name=f"Serve app {app}",
+        description=f"Ray Serve application serving {model_name} v{version}.",
+        by="ray-serve",
+        deps=[model_version_key(server, model_name, version)],
+        metadata={**metadata, "model_version": version, "app": app},
+    )
+    route_key = record(
+        serve_route_key(cluster, route),
+        name=f"Serve route /{route}",
+        description=f"The stable route {url}; answers carry X-Model-Version.",
+        by="ray-serve",
+        deps=[app_key],
+        metadata={**metadata, "model_version": version, "app": app, "url": url},
+        url=url,
+    )
     return [app_key, route_key]

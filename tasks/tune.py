@@ -46,46 +46,62 @@ CANCEL_POLL_S = 5.0
 class SchedulerSettings(BaseModel):
     kind: Literal["asha", "fifo"] = Field(
         default="asha",
-        description=("'asha': stop weak trials early (Async Successive Halving); 'fifo': run "
-                     "every trial to its stop condition."))
+        description=(
+            "'asha': stop weak trials early (Async Successive Halving); 'fifo': run "
+            "every trial to its stop condition."
+        ),
+    )
     max_iterations: int = Field(
-        default=100, ge=1, description="ASHA: training iterations a trial may run at most.")
+        default=100, ge=1, description="ASHA: training iterations a trial may run at most."
+    )
     grace_period: int = Field(
-        default=2, ge=1, description="ASHA: iterations every trial runs before it may be stopped.")
+        default=2, ge=1, description="ASHA: iterations every trial runs before it may be stopped."
+    )
     reduction_factor: float = Field(
-        default=3, gt=1, description="ASHA: 1/reduction_factor of trials go on at each rung.")
+        default=3, gt=1, description="ASHA: 1/reduction_factor of trials go on at each rung."
+    )
 
 
 class StopConditions(BaseModel):
     """A trial stops at the first condition met; empty ones are ignored."""
 
     training_iterations: int | None = Field(
-        default=None, ge=1, description="Stop a trial after this many training iterations.")
+        default=None, ge=1, description="Stop a trial after this many training iterations."
+    )
     env_steps: int | None = Field(
-        default=200_000, ge=1, description="Stop a trial after this many sampled env steps.")
+        default=200_000, ge=1, description="Stop a trial after this many sampled env steps."
+    )
     episode_return: float | None = Field(
-        default=450.0, description="Stop a trial once its mean episode return reaches this.")
+        default=450.0, description="Stop a trial once its mean episode return reaches this."
+    )
     trial_seconds: float | None = Field(
-        default=None, gt=0, description="Stop a trial after this many seconds of training.")
+        default=None, gt=0, description="Stop a trial after this many seconds of training."
+    )
     sweep_seconds: float | None = Field(
-        default=None, gt=0, description="Stop the whole sweep after this many seconds.")
+        default=None, gt=0, description="Stop the whole sweep after this many seconds."
+    )
 
     def criteria(self) -> dict[str, float]:
         """Tune's stop dict (flattened result keys)."""
-        pairs = {"training_iteration": self.training_iterations,
-                 rllib.ENV_STEPS_METRIC: self.env_steps,
-                 rllib.RETURN_METRIC: self.episode_return,
-                 "time_total_s": self.trial_seconds}
+        pairs = {
+            "training_iteration": self.training_iterations,
+            rllib.ENV_STEPS_METRIC: self.env_steps,
+            rllib.RETURN_METRIC: self.episode_return,
+            "time_total_s": self.trial_seconds,
+        }
         return {key: value for key, value in pairs.items() if value is not None}
 
 
 class TrialResourceSettings(BaseModel):
     env_runners: int = Field(
-        default=0, ge=0,
-        description="Remote env runners per trial; 0 samples in the trial's own process.")
+        default=0,
+        ge=0,
+        description="Remote env runners per trial; 0 samples in the trial's own process.",
+    )
     cpus_per_env_runner: float = Field(default=1, gt=0, description="CPUs per env runner.")
-    cpus: float = Field(default=1, gt=0,
-                        description="CPUs for the trial's main process (algorithm and learner).")
+    cpus: float = Field(
+        default=1, gt=0, description="CPUs for the trial's main process (algorithm and learner)."
+    )
     gpus: float = Field(default=0, ge=0, description="GPUs for the trial's learner.")
 
     def to_workload(self) -> rllib.TrialResources:
@@ -94,11 +110,15 @@ class TrialResourceSettings(BaseModel):
 
 class CheckpointPolicy(BaseModel):
     keep: int = Field(default=2, ge=1, description="Checkpoints kept per trial: the N best.")
-    metric: str = Field(default=rllib.RETURN_METRIC,
-                        description="Result key that ranks checkpoints (higher is better).")
+    metric: str = Field(
+        default=rllib.RETURN_METRIC,
+        description="Result key that ranks checkpoints (higher is better).",
+    )
     every_iterations: int = Field(
-        default=0, ge=0,
-        description="Also checkpoint every N iterations (0: only at the end of a trial).")
+        default=0,
+        ge=0,
+        description="Also checkpoint every N iterations (0: only at the end of a trial).",
+    )
 
 
 class SweepConfig(BaseModel):
@@ -107,35 +127,50 @@ class SweepConfig(BaseModel):
     algorithm: str = Field(default="PPO", description="RLlib algorithm name, e.g. PPO, APPO, DQN.")
     environment: str = Field(
         default="CartPole-v1",
-        description="A Gymnasium id, or 'module:function' env creator that takes env_config.")
+        description="A Gymnasium id, or 'module:function' env creator that takes env_config.",
+    )
     env_config: dict[str, Any] = Field(
-        default_factory=dict, description="Passed to the env creator (or gymnasium.make).")
+        default_factory=dict, description="Passed to the env creator (or gymnasium.make)."
+    )
     hyperparameters: dict[str, Any] = Field(
         default_factory=lambda: dict(DEFAULT_HYPERPARAMETERS),
-        description="Fixed algorithm config fields shared by every trial.")
+        description="Fixed algorithm config fields shared by every trial.",
+    )
     search_space: dict[str, Any] = Field(
         default_factory=lambda: dict(DEFAULT_SEARCH_SPACE),
-        description=("Config fields to search, e.g. {'lr': {'loguniform': [1e-4, 1e-3]}, "
-                     "'minibatch_size': {'choice': [64, 128]}}; kinds: uniform, loguniform, "
-                     "choice, randint (high exclusive), grid."))
+        description=(
+            "Config fields to search, e.g. {'lr': {'loguniform': [1e-4, 1e-3]}, "
+            "'minibatch_size': {'choice': [64, 128]}}; kinds: uniform, loguniform, "
+            "choice, randint (high exclusive), grid."
+        ),
+    )
     num_samples: int = Field(
-        default=4, ge=1, description="Trials to sample (times the grid, if any).")
+        default=4, ge=1, description="Trials to sample (times the grid, if any)."
+    )
     max_concurrent_trials: int | None = Field(
-        default=None, ge=1, description="Trials running at once; empty: as resources allow.")
+        default=None, ge=1, description="Trials running at once; empty: as resources allow."
+    )
     scheduler: SchedulerSettings = Field(
-        default_factory=SchedulerSettings, description="Trial scheduler and its settings.")
+        default_factory=SchedulerSettings, description="Trial scheduler and its settings."
+    )
     stop: StopConditions = Field(
-        default_factory=StopConditions, description="When a trial (or the sweep) stops.")
+        default_factory=StopConditions, description="When a trial (or the sweep) stops."
+    )
     resources: TrialResourceSettings = Field(
-        default_factory=TrialResourceSettings, description="What one trial asks the cluster.")
+        default_factory=TrialResourceSettings, description="What one trial asks the cluster."
+    )
     checkpoints: CheckpointPolicy = Field(
-        default_factory=CheckpointPolicy, description="Which checkpoints each trial keeps.")
+        default_factory=CheckpointPolicy, description="Which checkpoints each trial keeps."
+    )
     max_failures: int = Field(
-        default=1, ge=0, description="Times a failed trial is retried before the sweep fails.")
+        default=1, ge=0, description="Times a failed trial is retried before the sweep fails."
+    )
     seed: int = Field(
-        default=0, ge=0, description="Seeds every trial's envs and the held-out evaluation.")
-    metric: str = Field(default=rllib.RETURN_METRIC,
-                        description="Result key that ranks trials (higher is better).")
+        default=0, ge=0, description="Seeds every trial's envs and the held-out evaluation."
+    )
+    metric: str = Field(
+        default=rllib.RETURN_METRIC, description="Result key that ranks trials (higher is better)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SweepConfig:
@@ -143,8 +178,9 @@ class SweepConfig(BaseModel):
         rllib.parse_search_space(self.search_space, allowed)
         unknown = sorted(set(self.hyperparameters) - allowed)
         if unknown:
-            raise ValueError(f"hyperparameters key {unknown[0]!r} is not a "
-                             f"{self.algorithm} config field")
+            raise ValueError(
+                f"hyperparameters key {unknown[0]!r} is not a {self.algorithm} config field"
+            )
         return self
 
 
@@ -178,6 +214,7 @@ class EvaluationReport(BaseModel):
 
 # --- driver-side Tune hooks ---------------------------------------------------------------
 
+
 def _is_cancelling(flow_run_id: str) -> bool:
     """Whether Prefect is cancelling the flow run. An unreachable API is not a cancellation:
     the sweep goes on and the next poll asks again."""
@@ -188,8 +225,10 @@ def _is_cancelling(flow_run_id: str) -> bool:
         with get_client(sync_client=True) as client:
             state = client.read_flow_run(flow_run_id).state
     except (httpx.HTTPError, OSError) as error:
-        _log(f"could not read flow run {flow_run_id} to check for cancellation: {error!r}",
-             warning=True)
+        _log(
+            f"could not read flow run {flow_run_id} to check for cancellation: {error!r}",
+            warning=True,
+        )
         return False
     return bool(state and state.name in ("Cancelling", "Cancelled"))
 
@@ -198,8 +237,10 @@ def _stop_criteria_met(criteria: dict[str, float], result: dict[str, Any]) -> bo
     from ray.tune.utils import flatten_dict
 
     flat = flatten_dict(result, delimiter="/")
-    return any(key in flat and flat[key] is not None and flat[key] >= value
-               for key, value in criteria.items())
+    return any(
+        key in flat and flat[key] is not None and flat[key] >= value
+        for key, value in criteria.items()
+    )
 
 
 class SweepStopper:
@@ -265,14 +306,17 @@ def _progress_callback(key: str):
 
         def _update(self, trials, finishing=None):
             # Tune calls the hooks before it marks the finishing trial as done.
-            done = len({t.trial_id for t in trials if t.status in ("TERMINATED", "ERROR")}
-                       | ({finishing.trial_id} if finishing is not None else set()))
+            done = len(
+                {t.trial_id for t in trials if t.status in ("TERMINATED", "ERROR")}
+                | ({finishing.trial_id} if finishing is not None else set())
+            )
             total = max(self.total, len(trials), 1)
             progress = 100.0 * done / total
             description = f"{done} of {total} trials finished"
             if self.artifact_id is None:
-                self.artifact_id = create_progress_artifact(progress, key=key,
-                                                            description=description)
+                self.artifact_id = create_progress_artifact(
+                    progress, key=key, description=description
+                )
             else:
                 update_progress_artifact(self.artifact_id, progress, description=description)
 
@@ -282,9 +326,11 @@ def _progress_callback(key: str):
 
         def on_trial_complete(self, iteration, trials, trial, **info):
             result = trial.last_result or {}
-            _log(f"trial {trial.trial_id} finished after {result.get('training_iteration')} "
-                 f"iterations: {rllib.RETURN_METRIC}="
-                 f"{_flat_get(result, rllib.RETURN_METRIC)}")
+            _log(
+                f"trial {trial.trial_id} finished after {result.get('training_iteration')} "
+                f"iterations: {rllib.RETURN_METRIC}="
+                f"{_flat_get(result, rllib.RETURN_METRIC)}"
+            )
             self._update(trials, trial)
 
         def on_trial_error(self, iteration, trials, trial, **info):
@@ -296,10 +342,12 @@ def _progress_callback(key: str):
 
 # --- the sweep ---------------------------------------------------------------------------
 
+
 def experiment_path(storage_root: str, flow_run_id: str | None) -> Path:
     """Where a flow run's sweep lives: the same flow run (retry, re-run) finds it again."""
-    return Path(storage_root).expanduser().resolve() / (flow_run_id or "no-flow-run") \
-        / EXPERIMENT_NAME
+    return (
+        Path(storage_root).expanduser().resolve() / (flow_run_id or "no-flow-run") / EXPERIMENT_NAME
+    )
 
 
 def _trial_id_from_dir(path: str) -> str:
@@ -339,38 +387,57 @@ def _summarise(result, metric: str, search_keys: list[str]) -> TrialSummary:
     )
 
 
-def _tuner(sweep: SweepConfig, param_space: dict[str, Any], path: Path,
-           flow_run_id: str | None, progress_key: str):
+def _tuner(
+    sweep: SweepConfig,
+    param_space: dict[str, Any],
+    path: Path,
+    flow_run_id: str | None,
+    progress_key: str,
+):
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     if Path(path).is_dir() and tune.Tuner.can_restore(str(path)):
-        return tune.Tuner.restore(str(path), trainable=sweep.algorithm, resume_errored=True,
-                                  param_space=param_space), True
+        return tune.Tuner.restore(
+            str(path), trainable=sweep.algorithm, resume_errored=True, param_space=param_space
+        ), True
     settings = sweep.scheduler
-    scheduler = (ASHAScheduler(time_attr="training_iteration", max_t=settings.max_iterations,
-                               grace_period=settings.grace_period,
-                               reduction_factor=settings.reduction_factor)
-                 if settings.kind == "asha" else FIFOScheduler())
+    scheduler = (
+        ASHAScheduler(
+            time_attr="training_iteration",
+            max_t=settings.max_iterations,
+            grace_period=settings.grace_period,
+            reduction_factor=settings.reduction_factor,
+        )
+        if settings.kind == "asha"
+        else FIFOScheduler()
+    )
     tuner = tune.Tuner(
         sweep.algorithm,
         param_space=param_space,
         tune_config=tune.TuneConfig(
-            metric=sweep.metric, mode="max", num_samples=sweep.num_samples,
-            max_concurrent_trials=sweep.max_concurrent_trials, scheduler=scheduler,
-            time_budget_s=sweep.stop.sweep_seconds),
+            metric=sweep.metric,
+            mode="max",
+            num_samples=sweep.num_samples,
+            max_concurrent_trials=sweep.max_concurrent_trials,
+            scheduler=scheduler,
+            time_budget_s=sweep.stop.sweep_seconds,
+        ),
         run_config=tune.RunConfig(
-            name=path.name, storage_path=str(path.parent),
+            name=path.name,
+            storage_path=str(path.parent),
             stop=_as_tune_stopper(SweepStopper(sweep.stop.criteria(), flow_run_id)),
             checkpoint_config=tune.CheckpointConfig(
                 num_to_keep=sweep.checkpoints.keep,
                 checkpoint_score_attribute=sweep.checkpoints.metric,
                 checkpoint_score_order="max",
                 checkpoint_frequency=sweep.checkpoints.every_iterations,
-                checkpoint_at_end=True),
+                checkpoint_at_end=True,
+            ),
             failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
             callbacks=[_progress_callback(progress_key)],
-            verbose=0),  # Tune's own report prints the whole config dict
+            verbose=0,
+        ),  # Tune's own report prints the whole config dict
     )
     return tuner, False
 
@@ -396,9 +463,14 @@ def run_sweep(sweep: SweepConfig, cluster: RayCluster, storage_root: str) -> Swe
     path = experiment_path(storage_root, flow_run_id)
     with cluster.connect() as context:
         env_name = rllib.register_environment(sweep.environment)
-        config = rllib.build_config(sweep.algorithm, env_name, sweep.env_config,
-                                    sweep.resources.to_workload(), sweep.seed,
-                                    sweep.hyperparameters)
+        config = rllib.build_config(
+            sweep.algorithm,
+            env_name,
+            sweep.env_config,
+            sweep.resources.to_workload(),
+            sweep.seed,
+            sweep.hyperparameters,
+        )
         request = preflight(config)
         param_space = rllib.param_space(config, rllib.parse_search_space(sweep.search_space))
         tuner, resumed = _tuner(sweep, param_space, path, flow_run_id, "tune-sweep-progress")
@@ -406,29 +478,40 @@ def run_sweep(sweep: SweepConfig, cluster: RayCluster, storage_root: str) -> Swe
         dashboard = (context.dashboard_url if context else None) or cluster.dashboard_url
     if flow_run_id and _is_cancelling(flow_run_id):
         # A Cancelled state (not an exception): the flow ends its run Cancelled with it.
-        return Cancelled(message=f"flow run {flow_run_id} was cancelled; its sweep stopped "
-                                 f"at {path}")
+        return Cancelled(
+            message=f"flow run {flow_run_id} was cancelled; its sweep stopped at {path}"
+        )
     trials = [_summarise(r, sweep.metric, list(sweep.search_space)) for r in results]
     failed = [t for t in trials if t.status == "ERROR"]
     if failed:
-        raise RuntimeError(f"trial {failed[0].trial_id} failed after {sweep.max_failures} "
-                           f"retries: {failed[0].error}")
+        raise RuntimeError(
+            f"trial {failed[0].trial_id} failed after {sweep.max_failures} "
+            f"retries: {failed[0].error}"
+        )
     ranked = [t for t in trials if t.best_return is not None and t.checkpoint]
     if not ranked:
         raise RuntimeError(f"no trial of {path} reported {sweep.metric} with a checkpoint")
     best = max(ranked, key=lambda t: t.best_return)
     if dashboard and not dashboard.startswith("http"):
         dashboard = f"http://{dashboard}"
-    return SweepOutcome(experiment_path=str(path), trials=trials, best=best, resumed=resumed,
-                        resource_request=request, dashboard_url=dashboard)
+    return SweepOutcome(
+        experiment_path=str(path),
+        trials=trials,
+        best=best,
+        resumed=resumed,
+        resource_request=request,
+        dashboard_url=dashboard,
+    )
 
 
 @task(name="evaluate-checkpoint")
-def evaluate(checkpoint: str, environment: str, env_config: dict[str, Any], episodes: int,
-             seed: int) -> EvaluationReport:
+def evaluate(
+    checkpoint: str, environment: str, env_config: dict[str, Any], episodes: int, seed: int
+) -> EvaluationReport:
     """Greedy episodes of the checkpoint's RLModule alone, on held-out seeds."""
-    evaluation = rllib.evaluate_checkpoint(checkpoint, environment, env_config,
-                                           episodes=episodes, seed=seed)
+    evaluation = rllib.evaluate_checkpoint(
+        checkpoint, environment, env_config, episodes=episodes, seed=seed
+    )
     return EvaluationReport(**evaluation.__dict__)
 
 
@@ -437,21 +520,33 @@ def publish(outcome: SweepOutcome, evaluation: EvaluationReport) -> None:
     """A table of every trial and a markdown summary of the best one."""
     create_table_artifact(
         key="tune-sweep-trials",
-        table=[{"trial": t.trial_id, "status": t.status, "config": t.config,
-                "best_return": t.best_return, "env_steps": t.env_steps,
-                "iterations": t.iterations, "checkpoint": t.checkpoint}
-               for t in outcome.trials],
-        description="Every trial of the sweep")
+        table=[
+            {
+                "trial": t.trial_id,
+                "status": t.status,
+                "config": t.config,
+                "best_return": t.best_return,
+                "env_steps": t.env_steps,
+                "iterations": t.iterations,
+                "checkpoint": t.checkpoint,
+            }
+            for t in outcome.trials
+        ],
+        description="Every trial of the sweep",
+    )
     best = outcome.best
     create_markdown_artifact(
         key="tune-sweep-best",
-        markdown=(f"## Best trial `{best.trial_id}`\n\n"
-                  f"- config: `{best.config}`\n"
-                  f"- best return: {best.best_return:.1f} after {best.env_steps} env steps\n"
-                  f"- evaluation: {evaluation.mean_return:.1f} ± {evaluation.std_return:.1f} "
-                  f"over {evaluation.episodes} held-out episodes\n"
-                  f"- checkpoint: `{best.checkpoint}`\n"
-                  f"- experiment: `{outcome.experiment_path}`"
-                  f"{' (resumed)' if outcome.resumed else ''}\n"
-                  f"- Ray dashboard: {outcome.dashboard_url or 'unknown'}\n"),
-        description="Best trial of the sweep")
+        markdown=(
+            f"## Best trial `{best.trial_id}`\n\n"
+            f"- config: `{best.config}`\n"
+            f"- best return: {best.best_return:.1f} after {best.env_steps} env steps\n"
+            f"- evaluation: {evaluation.mean_return:.1f} ± {evaluation.std_return:.1f} "
+            f"over {evaluation.episodes} held-out episodes\n"
+            f"- checkpoint: `{best.checkpoint}`\n"
+            f"- experiment: `{outcome.experiment_path}`"
+            f"{' (resumed)' if outcome.resumed else ''}\n"
+            f"- Ray dashboard: {outcome.dashboard_url or 'unknown'}\n"
+        ),
+        description="Best trial of the sweep",
+    )

@@ -78,7 +78,8 @@ def task_runs(prefect_client):
         deadline = time.monotonic() + timeout
         while True:
             runs = prefect_client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
+                flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]})
+            )
             if ready(runs) or time.monotonic() > deadline:
                 return runs
             time.sleep(0.5)
@@ -95,10 +96,13 @@ def checkpoints(stack, tmp_path_factory):
     from ray.rllib.core.rl_module.rl_module import RLModule
 
     root = tmp_path_factory.mktemp("checkpoints")
-    config = (PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0)
-              .training(train_batch_size_per_learner=1000, minibatch_size=128, num_epochs=6,
-                        lr=1e-3)
-              .debugging(seed=0))
+    config = (
+        PPOConfig()
+        .environment("CartPole-v1")
+        .env_runners(num_env_runners=0)
+        .training(train_batch_size_per_learner=1000, minibatch_size=128, num_epochs=6, lr=1e-3)
+        .debugging(seed=0)
+    )
     with stack.ray_cluster().connect():
         algo = config.build_algo()
         try:

@@ -12,14 +12,33 @@ from pydantic import ValidationError
 from blocks import MLflowServer, RayCluster
 
 
-@pytest.mark.parametrize("address", ["", "auto", "127.0.0.1:6379", "ray://head.svc:10001",
-                                     "[::1]:6379", "ray-head-0.ray.svc.cluster.local:6379"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "",
+        "auto",
+        "127.0.0.1:6379",
+        "ray://head.svc:10001",
+        "[::1]:6379",
+        "ray-head-0.ray.svc.cluster.local:6379",
+    ],
+)
 def test_ray_addresses_accepted(address):
     assert RayCluster(address=address).address == address
 
 
-@pytest.mark.parametrize("address", ["http://127.0.0.1:6379", "127.0.0.1", "host:0",
-                                     "host:99999", "ray://:10001", "300.1.1.1:6379", "a b:1"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "http://127.0.0.1:6379",
+        "127.0.0.1",
+        "host:0",
+        "host:99999",
+        "ray://:10001",
+        "300.1.1.1:6379",
+        "a b:1",
+    ],
+)
 def test_malformed_ray_address_names_field_and_value(address):
     with pytest.raises(ValidationError) as error:
         RayCluster(address=address)
@@ -34,10 +53,15 @@ def test_bad_runtime_env_and_cpus_are_rejected():
         RayCluster(num_cpus=0)
 
 
-@pytest.mark.parametrize("field,value", [("tracking_uri", "127.0.0.1:5000"),
-                                         ("tracking_uri", "http://"),
-                                         ("registry_uri", "ftp://x"),
-                                         ("tracking_uri", "http://host:notaport")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("tracking_uri", "127.0.0.1:5000"),
+        ("tracking_uri", "http://"),
+        ("registry_uri", "ftp://x"),
+        ("tracking_uri", "http://host:notaport"),
+    ],
+)
 def test_malformed_mlflow_uri_names_field_and_value(field, value):
     with pytest.raises(ValidationError) as error:
         MLflowServer(**{field: value})
@@ -79,12 +103,15 @@ def test_mlflow_session_talks_to_the_server_and_restores_the_token(stack, monkey
 
 
 def test_blocks_register_with_the_prefect_cli(stack, prefect_client):
-    result = subprocess.run([sys.executable, "-m", "prefect", "block", "register", "-m", "blocks"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "prefect", "block", "register", "-m", "blocks"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     slugs = {block_type.slug for block_type in prefect_client.read_block_types()}
     assert {"ray-cluster", "mlflow-server"} <= slugs
     schema = prefect_client.read_block_schema_by_checksum(RayCluster._calculate_schema_checksum())
-    for field in ("address", "namespace", "runtime_env", "num_cpus", "auth_token",
-                  "dashboard_url"):
+    for field in ("address", "namespace", "runtime_env", "num_cpus", "auth_token", "dashboard_url"):
         assert schema.fields["properties"][field].get("description"), field

@@ -17,15 +17,18 @@ def figures(requests, errors=0, p99=10.0):
     return {"requests": requests, "errors": errors, "p99_ms": p99}
 
 
-@pytest.mark.parametrize("candidate, ok, words", [
-    (None, None, "0 request(s)"),
-    (figures(4), None, "fewer than the 5"),
-    (figures(100, errors=2), False, "error rate 2.0% (2 of 100)"),
-    (figures(100, errors=1), True, "error rate 1.0%"),
-    (figures(100, p99=1200.0), False, "above 1000 ms"),
-    (figures(100, p99=81.0), False, "over 3x the live version's 10.0 ms + 50 ms"),
-    (figures(100, p99=79.0), True, "p99 79.0 ms"),
-])
+@pytest.mark.parametrize(
+    "candidate, ok, words",
+    [
+        (None, None, "0 request(s)"),
+        (figures(4), None, "fewer than the 5"),
+        (figures(100, errors=2), False, "error rate 2.0% (2 of 100)"),
+        (figures(100, errors=1), True, "error rate 1.0%"),
+        (figures(100, p99=1200.0), False, "above 1000 ms"),
+        (figures(100, p99=81.0), False, "over 3x the live version's 10.0 ms + 50 ms"),
+        (figures(100, p99=79.0), True, "p99 79.0 ms"),
+    ],
+)
 def test_judge(candidate, ok, words):
     verdict = judge(candidate, LIVE, Thresholds(max_error_rate=0.01, min_requests=5))
     assert verdict.ok is ok and words in verdict.reason
@@ -50,29 +53,42 @@ def test_bad_thresholds_are_rejected():
         Thresholds(max_p99_ratio=0.5)
 
 
-TARGET = {"app": "m-v1", "version": "1",
-          "model": {"name": "m", "version": "1", "tracking_uri": "http://127.0.0.1:5000"}}
+TARGET = {
+    "app": "m-v1",
+    "version": "1",
+    "model": {"name": "m", "version": "1", "tracking_uri": "http://127.0.0.1:5000"},
+}
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"candidate_weight": 0.2}, "no candidate"),
-    ({"live": TARGET, "candidate": TARGET, "candidate_weight": 1.5}, "within [0, 1]"),
-    ({"live": {"app": "x"}}, "needs app and version"),
-    ({"live": {**TARGET, "model": {**TARGET["model"], "version": "champion"}}},
-     "never an alias"),
-    ({"inline_live": True, "live": {"app": "x", "version": "1"}}, "model spec"),
-    ({"weights": {}}, "unknown router config fields"),
-    ({"live": TARGET, "timeout_s": 0}, "timeout_s must be positive"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"candidate_weight": 0.2}, "no candidate"),
+        ({"live": TARGET, "candidate": TARGET, "candidate_weight": 1.5}, "within [0, 1]"),
+        ({"live": {"app": "x"}}, "needs app and version"),
+        (
+            {"live": {**TARGET, "model": {**TARGET["model"], "version": "champion"}}},
+            "never an alias",
+        ),
+        ({"inline_live": True, "live": {"app": "x", "version": "1"}}, "model spec"),
+        ({"weights": {}}, "unknown router config fields"),
+        ({"live": TARGET, "timeout_s": 0}, "timeout_s must be positive"),
+    ],
+)
 def test_bad_router_configs_are_named(config, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         RouterConfig.parse(config)
 
 
 def test_router_config_round_trips():
-    config = RouterConfig.parse({"live": TARGET, "candidate": {**TARGET, "app": "m-v2",
-                                                               "version": "2"},
-                                 "candidate_weight": 0.1, "generation": 7})
+    config = RouterConfig.parse(
+        {
+            "live": TARGET,
+            "candidate": {**TARGET, "app": "m-v2", "version": "2"},
+            "candidate_weight": 0.1,
+            "generation": 7,
+        }
+    )
     assert RouterConfig.parse(config.as_dict()) == config
 
 
@@ -82,7 +98,9 @@ def test_faults_and_serving_options_are_validated():
         with pytest.raises(ValueError):
             Faults.parse(bad)
     assert serving_options({"num_cpus": 0.5, "num_replicas": 2}) == {
-        "ray_actor_options": {"num_cpus": 0.5}, "num_replicas": 2}
+        "ray_actor_options": {"num_cpus": 0.5},
+        "num_replicas": 2,
+    }
     with pytest.raises(ValueError, match="unknown serving options"):
         serving_options({"replicas": 2})
     with pytest.raises(ValueError, match="num_replicas"):

@@ -35,8 +35,9 @@ PINNED_SPLIT = ["eval"] * 3 + ["train"] * 5
 
 def good_frame(start: int, rows: int) -> pd.DataFrame:
     ids = np.arange(start, start + rows)
-    return pd.DataFrame({"id": ids, "age": ids % 90, "score": (ids % 7) / 7.0,
-                         "text": [f"row {i}" for i in ids]})
+    return pd.DataFrame(
+        {"id": ids, "age": ids % 90, "score": (ids % 7) / 7.0, "text": [f"row {i}" for i in ids]}
+    )
 
 
 def write_csv_source(root: Path) -> Path:
@@ -44,14 +45,14 @@ def write_csv_source(root: Path) -> Path:
     source = root / "src"
     source.mkdir()
     first = good_frame(0, GOOD_ROWS).astype(str)
-    first.loc[10, "age"] = "abc"            # wrong type
-    first.loc[20, "age"] = "4.5"            # wrong type (not an integer)
+    first.loc[10, "age"] = "abc"  # wrong type
+    first.loc[20, "age"] = "4.5"  # wrong type (not an integer)
     first.loc[30, "score"] = "not-a-float"  # wrong type
-    first.loc[40, "text"] = ""              # null in a required column
-    first.loc[50, "score"] = "inf"          # parses; prepare_numeric raises on it
+    first.loc[40, "text"] = ""  # null in a required column
+    first.loc[50, "score"] = "inf"  # parses; prepare_numeric raises on it
     first.to_csv(source / "part-0.csv", index=False)
     second = good_frame(GOOD_ROWS, GOOD_ROWS).astype(str)
-    second.loc[5, "text"] = ""              # null in a required column
+    second.loc[5, "text"] = ""  # null in a required column
     text = second.to_csv(index=False)
     # A line with an extra field: a malformed CSV row.
     text += "99999,1,0.5,hello,extra\n"
@@ -62,11 +63,16 @@ def write_csv_source(root: Path) -> Path:
 
 def csv_params(source: Path, output: Path, **overrides) -> DataPrepParams:
     fields = dict(
-        source=str(source), output=str(output), split_key="id", eval_fraction=0.2,
+        source=str(source),
+        output=str(output),
+        split_key="id",
+        eval_fraction=0.2,
         expected_schema={"id": "int64", "age": "int64", "score": "float64", "text": "string"},
-        required_columns=["id", "text"], transform=NUMERIC,
+        required_columns=["id", "text"],
+        transform=NUMERIC,
         transform_kwargs={"columns": ["age", "score"], "log_columns": ["age"]},
-        max_bad_fraction=0.01)
+        max_bad_fraction=0.01,
+    )
     return DataPrepParams(**(fields | overrides))
 
 
@@ -80,15 +86,18 @@ def exception_text(error: BaseException | None) -> str:
 
 
 def staged_leftovers(output: Path) -> list[str]:
-    return sorted(p.name for p in output.parent.iterdir() if ".staging-" in p.name
-                  or ".replaced-" in p.name)
+    return sorted(
+        p.name for p in output.parent.iterdir() if ".staging-" in p.name or ".replaced-" in p.name
+    )
 
 
 def asset_events(client, asset_key: str) -> list:
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
-    flt = EventFilter(event=EventNameFilter(name=["prefect.asset.materialization.succeeded"]),
-                      resource=EventResourceFilter(id=[asset_key]))
+    flt = EventFilter(
+        event=EventNameFilter(name=["prefect.asset.materialization.succeeded"]),
+        resource=EventResourceFilter(id=[asset_key]),
+    )
     deadline = time.monotonic() + 20
     while True:  # events reach the API asynchronously
         events = client.read_events(filter=flt, limit=50).events  # server max: 50
@@ -98,14 +107,20 @@ def asset_events(client, asset_key: str) -> list:
 
 
 def test_bad_rows_go_to_the_quarantine_with_exact_counts_and_reasons(
-        stack, prefect_client, tmp_path):
+    stack, prefect_client, tmp_path
+):
     source = write_csv_source(tmp_path)
     output = tmp_path / "out" / "dataset"
     result = data_prep(csv_params(source, output), ray_cluster=stack.ray_cluster())
 
-    expected = {"missing column 'score'": 7, "wrong type in 'age'": 2,
-                "null in required column 'text'": 2, "wrong type in 'score'": 1,
-                "malformed CSV row": 1, "transform raised ValueError": 1}
+    expected = {
+        "missing column 'score'": 7,
+        "wrong type in 'age'": 2,
+        "null in required column 'text'": 2,
+        "wrong type in 'score'": 1,
+        "malformed CSV row": 1,
+        "transform raised ValueError": 1,
+    }
     assert result.reasons == expected
     assert result.rows_in == 2 * GOOD_ROWS + 1 + 7
     assert result.rows_quarantined == sum(expected.values()) == 14
@@ -120,7 +135,8 @@ def test_bad_rows_go_to_the_quarantine_with_exact_counts_and_reasons(
     wrong = quarantine[quarantine.reason == "wrong type in 'age'"]
     assert sorted(wrong.detail) == ["'4.5' is not int64", "'abc' is not int64"]
     assert set(quarantine[quarantine.reason.str.startswith("missing")].source) == {
-        str(source / "part-2.csv")}
+        str(source / "part-2.csv")
+    }
 
     train = pq.read_table(result.train_path)
     assert train.num_rows == result.rows_train
@@ -144,11 +160,15 @@ def test_bad_rows_go_to_the_quarantine_with_exact_counts_and_reasons(
     # The fan-out really ran on Ray as Prefect tasks: one check per file, one pipeline.
     (ray_flow_run,) = prefect_client.read_flow_runs(
         flow_filter=FlowFilter(name=FlowFilterName(any_=["data-prep-on-ray"])),
-        sort=FlowRunSort.START_TIME_DESC, limit=1)
+        sort=FlowRunSort.START_TIME_DESC,
+        limit=1,
+    )
     task_runs = prefect_client.read_task_runs(
-        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[ray_flow_run.id])))
-    assert sorted(r.name.split("-")[0] for r in task_runs) == [
-        "check_source_file"] * 3 + ["prepare_dataset"]
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[ray_flow_run.id]))
+    )
+    assert sorted(r.name.split("-")[0] for r in task_runs) == ["check_source_file"] * 3 + [
+        "prepare_dataset"
+    ]
     assert {r.state.type for r in task_runs} == {StateType.COMPLETED}
     artifact = prefect_client.read_artifacts(limit=50)
     assert any(a.key == "data-prep" and result.fingerprint in str(a.data) for a in artifact)
@@ -161,13 +181,21 @@ def test_the_split_is_stable_across_runs_and_file_layouts(stack, tmp_path):
     source = tmp_path / "src"
     source.mkdir()
     for i in range(3):
-        pq.write_table(pa.Table.from_pandas(frame.iloc[i * 1000:(i + 1) * 1000],
-                                            preserve_index=False),
-                       source / f"part-{i}.parquet", row_group_size=257)
+        pq.write_table(
+            pa.Table.from_pandas(frame.iloc[i * 1000 : (i + 1) * 1000], preserve_index=False),
+            source / f"part-{i}.parquet",
+            row_group_size=257,
+        )
     # Source and output as pyarrow filesystem URIs.
-    result = data_prep(DataPrepParams(source=f"file://{source}", output=f"file://{tmp_path}/out",
-                                      split_key="id", eval_fraction=0.25),
-                       ray_cluster=stack.ray_cluster())
+    result = data_prep(
+        DataPrepParams(
+            source=f"file://{source}",
+            output=f"file://{tmp_path}/out",
+            split_key="id",
+            eval_fraction=0.25,
+        ),
+        ray_cluster=stack.ray_cluster(),
+    )
     assert result.output == str(tmp_path / "out")
 
     on_ray = set(pq.read_table(result.eval_path)["id"].to_pylist())
@@ -177,9 +205,12 @@ def test_the_split_is_stable_across_runs_and_file_layouts(stack, tmp_path):
     keys = pa.array(np.arange(3000))
     here = set()
     for start in range(0, 3000, 113):  # other batch boundaries than any run used
-        chunk = keys[start:start + 113]
-        here |= {k for k, s in zip(chunk.to_pylist(), split_of(chunk, 0.25).to_pylist(),
-                                   strict=True) if s == "eval"}
+        chunk = keys[start : start + 113]
+        here |= {
+            k
+            for k, s in zip(chunk.to_pylist(), split_of(chunk, 0.25).to_pylist(), strict=True)
+            if s == "eval"
+        }
     assert here == on_ray
     # Pinned values: a change of hash would silently reshuffle every dataset's eval split.
     assert split_of(pa.array([0, 1, 2, 3, 4, 5, 6, 7]), 0.25).to_pylist() == PINNED_SPLIT
@@ -191,14 +222,17 @@ def ray_job_ids(stack) -> set[str]:
     return {job.job_id for job in list_jobs(address=stack.ray_dashboard_url, limit=1000)}
 
 
-def test_a_rerun_with_the_same_inputs_is_a_cache_hit_without_ray(
-        stack, prefect_client, tmp_path):
+def test_a_rerun_with_the_same_inputs_is_a_cache_hit_without_ray(stack, prefect_client, tmp_path):
     source = tmp_path / "src.parquet"
     pq.write_table(pa.Table.from_pandas(good_frame(0, 2000)), source)
     output = tmp_path / "out"
-    params = DataPrepParams(source=str(source), output=str(output), split_key="id",
-                            transform="workloads.transforms:tokenize_text",
-                            transform_kwargs={"max_length": 16})
+    params = DataPrepParams(
+        source=str(source),
+        output=str(output),
+        split_key="id",
+        transform="workloads.transforms:tokenize_text",
+        transform_kwargs={"max_length": 16},
+    )
     first = data_prep(params, ray_cluster=stack.ray_cluster())
     jobs_before = ray_job_ids(stack)
     published = (output / "_manifest.json").stat().st_mtime_ns
@@ -214,8 +248,10 @@ def test_a_rerun_with_the_same_inputs_is_a_cache_hit_without_ray(
     # Each input of the fingerprint changes it: source bytes, parameters, transform source.
     base = plan_dataset.fn(params).fingerprint
     assert plan_dataset.fn(params.model_copy(update={"eval_fraction": 0.3})).fingerprint != base
-    assert plan_dataset.fn(params.model_copy(update={"output": str(tmp_path / "x")})
-                           ).fingerprint == base
+    assert (
+        plan_dataset.fn(params.model_copy(update={"output": str(tmp_path / "x")})).fingerprint
+        == base
+    )
     pq.write_table(pa.Table.from_pandas(good_frame(1, 2000)), source)
     assert plan_dataset.fn(params).fingerprint != base
 
@@ -227,8 +263,7 @@ def drop_rows(batch):
 '''
 
 
-def test_a_job_that_fails_midway_leaves_no_partial_output(
-        stack, tmp_path, monkeypatch):
+def test_a_job_that_fails_midway_leaves_no_partial_output(stack, tmp_path, monkeypatch):
     package = tmp_path / "mods" / "prep_broken_transforms"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(BROKEN_TRANSFORMS)
@@ -243,8 +278,12 @@ def test_a_job_that_fails_midway_leaves_no_partial_output(
 
     cluster = stack.ray_cluster(runtime_env={"py_modules": [str(package)]})
     with pytest.raises(Exception) as failure:
-        data_prep(csv_params(source, output, transform="prep_broken_transforms:drop_rows",
-                             transform_kwargs={}), ray_cluster=cluster)
+        data_prep(
+            csv_params(
+                source, output, transform="prep_broken_transforms:drop_rows", transform_kwargs={}
+            ),
+            ray_cluster=cluster,
+        )
     assert "returned 0 rows" in exception_text(failure.value)
     assert staged_leftovers(output) == []
     assert sorted(str(p.relative_to(output)) for p in output.rglob("*")) == before
@@ -259,13 +298,16 @@ def test_a_job_that_fails_midway_leaves_no_partial_output(
     assert (output / "_manifest.json").read_text() == '{"fingerprint": "old"}'
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing", "does not exist"),
-    ("empty-parquet", "has no rows"),
-    ("empty-csv", "has no rows"),
-    ("unknown-column", "names columns ['price'] that the source does not have"),
-    ("bad-key", "column 'key' is not in the schema"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "does not exist"),
+        ("empty-parquet", "has no rows"),
+        ("empty-csv", "has no rows"),
+        ("unknown-column", "names columns ['price'] that the source does not have"),
+        ("bad-key", "column 'key' is not in the schema"),
+    ],
+)
 def test_bad_sources_fail_clearly_before_any_ray_work(tmp_path, case, message):
     source = tmp_path / "src"
     source.mkdir()
@@ -281,16 +323,19 @@ def test_bad_sources_fail_clearly_before_any_ray_work(tmp_path, case, message):
         pq.write_table(pa.Table.from_pandas(good_frame(0, 10)), source / "a.parquet")
         schema = {"id": "int64", "price": "float64"} if case == "unknown-column" else None
         key = "key" if case == "bad-key" else "id"
-    params = DataPrepParams(source=str(source), output=str(tmp_path / "out"), split_key=key,
-                            expected_schema=schema)
+    params = DataPrepParams(
+        source=str(source), output=str(tmp_path / "out"), split_key=key, expected_schema=schema
+    )
     with pytest.raises(SourceError, match=message.replace("[", r"\[").replace("]", r"\]")):
         data_prep(params, ray_cluster=RayCluster(address="127.0.0.1:1"))
     assert not (tmp_path / "out").exists()
 
 
 def test_json_lines_with_filters_and_tokenization(stack, tmp_path):
-    lines = [json.dumps({"id": i, "text": f"sample {i}", "lang": "en" if i % 4 else "de"})
-             for i in range(400)]
+    lines = [
+        json.dumps({"id": i, "text": f"sample {i}", "lang": "en" if i % 4 else "de"})
+        for i in range(400)
+    ]
     lines[7] = "{not json"
     lines[8] = json.dumps({"id": "eight", "text": "x", "lang": "en"})
     lines[9] = json.dumps([1, 2])
@@ -299,22 +344,32 @@ def test_json_lines_with_filters_and_tokenization(stack, tmp_path):
     (source / "a.jsonl").write_text("\n".join(lines) + "\n")
     # A file with no good row: its batch comes back empty, and must not upset the writer.
     (source / "b.jsonl").write_text('{"id": 1000}\n[]\n{"id": 1001, "text": null}\n')
-    result = data_prep(DataPrepParams(
-        source=str(source), output=str(tmp_path / "out"), split_key="id",
-        expected_schema={"id": "int64", "text": "string", "lang": "string"},
-        required_columns=["text"], filters=[{"column": "lang", "op": "==", "value": "en"}],
-        transform="workloads.transforms:tokenize_text",
-        transform_kwargs={"max_length": 8}, transform_batch_format="pyarrow",
-        max_bad_fraction=0.05), ray_cluster=stack.ray_cluster())
+    result = data_prep(
+        DataPrepParams(
+            source=str(source),
+            output=str(tmp_path / "out"),
+            split_key="id",
+            expected_schema={"id": "int64", "text": "string", "lang": "string"},
+            required_columns=["text"],
+            filters=[{"column": "lang", "op": "==", "value": "en"}],
+            transform="workloads.transforms:tokenize_text",
+            transform_kwargs={"max_length": 8},
+            transform_batch_format="pyarrow",
+            max_bad_fraction=0.05,
+        ),
+        ray_cluster=stack.ray_cluster(),
+    )
 
-    assert result.reasons == {"unparsable line": 3, "null in required column 'text'": 2,
-                              "wrong type in 'id'": 1}
+    assert result.reasons == {
+        "unparsable line": 3,
+        "null in required column 'text'": 2,
+        "wrong type in 'id'": 1,
+    }
     assert result.rows_in == 403
     english = {i for i in range(400) if i % 4 and i not in (7, 9)}
     assert result.rows_train + result.rows_eval == len(english)
     assert result.rows_filtered == 403 - 6 - len(english)
-    rows = pd.concat([pq.read_table(p).to_pandas() for p in (result.train_path,
-                                                              result.eval_path)])
+    rows = pd.concat([pq.read_table(p).to_pandas() for p in (result.train_path, result.eval_path)])
     assert set(rows.lang) == {"en"}
     sample = rows.set_index("id").loc[13]
     assert list(sample.input_ids) == [BOS_ID, *(b + 3 for b in b"sample"), EOS_ID]
@@ -342,8 +397,9 @@ def test_byte_tokenizer_is_lossless_deterministic_and_truncates():
 
 def test_prepare_numeric_imputes_flags_logs_scales_and_rejects_non_finite():
     table = pa.table({"a": [1.0, None, 3.0], "b": [0, 9, -9]})
-    out = prepare_numeric(table, columns=["a", "b"], log_columns=["b"],
-                          scale={"a": [2.0, 2.0]}, impute=2.0)
+    out = prepare_numeric(
+        table, columns=["a", "b"], log_columns=["b"], scale={"a": [2.0, 2.0]}, impute=2.0
+    )
     features = np.array(out["features"].to_pylist())
     np.testing.assert_allclose(features[:, 0], [-0.5, 0.0, 0.5])
     np.testing.assert_allclose(features[:, 1], [0.0, np.log1p(9), -np.log1p(9)], rtol=1e-6)

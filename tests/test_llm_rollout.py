@@ -26,17 +26,30 @@ pytestmark = [pytest.mark.llm, pytest.mark.slow]
 
 LLM_PYTHON = Path(os.environ.get("RLT_LLM_PYTHON") or DEFAULT_LLM_PYTHON)
 if not LLM_PYTHON.exists() and not os.environ.get("RLT_REQUIRE_LLM"):
-    pytest.skip(f"no LLM venv at {LLM_PYTHON} (`make llm-venv` builds it)",
-                allow_module_level=True)
+    pytest.skip(f"no LLM venv at {LLM_PYTHON} (`make llm-venv` builds it)", allow_module_level=True)
 
 ROUTE = "llm-test"
-LLM = LLMServing(engine={"max_model_len": 128, "kv_cache_memory_bytes": 64 << 20,
-                         "dtype": "float32"},
-                 num_cpus=0.5, python=str(LLM_PYTHON), health_check_period_s=2)
-GATES = Gates(health_timeout_s=240, stability_window_s=4, canary_steps=[0.5], canary_hold_s=4,
-              canary_min_requests=3, bake_s=4, bake_window_s=3, max_error_rate=0.05,
-              max_p99_ms=20000, p99_slack_ms=5000, smoke_max_latency_ms=20000,
-              max_ttft_ms=20000, min_tokens_per_s_ratio=0.1)
+LLM = LLMServing(
+    engine={"max_model_len": 128, "kv_cache_memory_bytes": 64 << 20, "dtype": "float32"},
+    num_cpus=0.5,
+    python=str(LLM_PYTHON),
+    health_check_period_s=2,
+)
+GATES = Gates(
+    health_timeout_s=240,
+    stability_window_s=4,
+    canary_steps=[0.5],
+    canary_hold_s=4,
+    canary_min_requests=3,
+    bake_s=4,
+    bake_window_s=3,
+    max_error_rate=0.05,
+    max_p99_ms=20000,
+    p99_slack_ms=5000,
+    smoke_max_latency_ms=20000,
+    max_ttft_ms=20000,
+    min_tokens_per_s_ratio=0.1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,26 +66,44 @@ def llm_model(stack, tmp_path_factory):
         client.create_model_version(name, f"{run.info.artifact_uri}/hf", run_id=run.info.run_id)
     cluster = stack.ray_cluster()
     try:
-        yield {"name": name, "client": client, "cluster": cluster,
-               "server": MLflowServer(tracking_uri=stack.mlflow_uri)}
+        yield {
+            "name": name,
+            "client": client,
+            "cluster": cluster,
+            "server": MLflowServer(tracking_uri=stack.mlflow_uri),
+        }
     finally:
         with cluster.connect():
-            sc.apply(deletes={a for a in sc.app_configs()
-                              if a.startswith(name) or a == sc.router_app_name(ROUTE)})
+            sc.apply(
+                deletes={
+                    a
+                    for a in sc.app_configs()
+                    if a.startswith(name) or a == sc.router_app_name(ROUTE)
+                }
+            )
             sc.drop_route_stats(ROUTE)
 
 
 def completion(port: int, model: str, stream: bool = False) -> requests.Response:
-    return requests.post(f"http://127.0.0.1:{port}/{ROUTE}/v1/completions", timeout=60,
-                         json={"model": model, "prompt": "hello", "max_tokens": 8,
-                               "stream": stream}, stream=stream)
+    return requests.post(
+        f"http://127.0.0.1:{port}/{ROUTE}/v1/completions",
+        timeout=60,
+        json={"model": model, "prompt": "hello", "max_tokens": 8, "stream": stream},
+        stream=stream,
+    )
 
 
-def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(
-        stack, llm_model):
-    common = dict(model_name=llm_model["name"], route=ROUTE, gates=GATES, kind="llm", llm=LLM,
-                  serving=Serving(router_num_cpus=0.1), ray_cluster=llm_model["cluster"],
-                  mlflow_server=llm_model["server"])
+def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(stack, llm_model):
+    common = dict(
+        model_name=llm_model["name"],
+        route=ROUTE,
+        gates=GATES,
+        kind="llm",
+        llm=LLM,
+        serving=Serving(router_num_cpus=0.1),
+        ray_cluster=llm_model["cluster"],
+        mlflow_server=llm_model["server"],
+    )
     first = serve_rollout(version="1", **common)
     assert first.outcome == "first_rollout"
     assert first.timeline[1]["stage"] == "smoke"
@@ -84,10 +115,12 @@ def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(
     def load():
         while not stopping.is_set():
             response = completion(stack.serve_port, llm_model["name"])
-            tokens = response.json().get("usage", {}).get("completion_tokens", 0) \
-                if response.status_code == 200 else 0
-            answers.append((response.status_code, response.headers.get("X-Model-Version"),
-                            tokens))
+            tokens = (
+                response.json().get("usage", {}).get("completion_tokens", 0)
+                if response.status_code == 200
+                else 0
+            )
+            answers.append((response.status_code, response.headers.get("X-Model-Version"), tokens))
             time.sleep(0.05)
 
     thread = threading.Thread(target=load, daemon=True)
@@ -108,7 +141,8 @@ def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(
     # Streaming crosses the router chunk by chunk, tagged with the live version.
     response = completion(stack.serve_port, llm_model["name"], stream=True)
     assert response.status_code == 200 and response.headers["X-Model-Version"] == "2"
-    events = [line[6:] for line in response.iter_lines(decode_unicode=True)
-              if line.startswith("data: ")]
+    events = [
+        line[6:] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")
+    ]
     assert events[-1] == "[DONE]" and len(events) > 2
     assert all("choices" in json.loads(e) for e in events[:-1])

@@ -24,8 +24,11 @@ pytestmark = [pytest.mark.llm, pytest.mark.slow]
 
 LLM_PYTHON = Path(os.environ.get("RLT_LLM_PYTHON") or DEFAULT_LLM_PYTHON)
 if not LLM_PYTHON.exists() and not os.environ.get("RLT_REQUIRE_LLM"):
-    pytest.skip(f"no LLM venv at {LLM_PYTHON} (`make llm-venv` builds it; set RLT_REQUIRE_LLM=1 "
-                f"to fail instead)", allow_module_level=True)
+    pytest.skip(
+        f"no LLM venv at {LLM_PYTHON} (`make llm-venv` builds it; set RLT_REQUIRE_LLM=1 "
+        f"to fail instead)",
+        allow_module_level=True,
+    )
 
 MAX_MODEL_LEN = 128
 ROUTE = "/tiny-llm"
@@ -36,8 +39,11 @@ LOCAL_VERSION = "tiny-llm/local-1"
 def tiny_args(**overrides) -> dict:
     args = {
         "served_model_name": SERVED_NAME,
-        "engine": {"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": 64 << 20,
-                   "dtype": "float32"},
+        "engine": {
+            "max_model_len": MAX_MODEL_LEN,
+            "kv_cache_memory_bytes": 64 << 20,
+            "dtype": "float32",
+        },
         # Fractional: two LLM replicas and the rest of the suite share a 2-core machine.
         "ray_actor_options": {"num_cpus": 0.5},
         "python": str(LLM_PYTHON),
@@ -63,8 +69,9 @@ def mlflow_version(stack, tiny_model) -> str:
     client.log_artifacts(run.info.run_id, str(tiny_model), artifact_path="hf")
     client.set_terminated(run.info.run_id)
     client.create_registered_model(name)
-    version = client.create_model_version(name, f"{run.info.artifact_uri}/hf",
-                                          run_id=run.info.run_id)
+    version = client.create_model_version(
+        name, f"{run.info.artifact_uri}/hf", run_id=run.info.run_id
+    )
     return f"{name}:{version.version}"
 
 
@@ -73,7 +80,6 @@ def serve_apps(stack, tiny_model, mlflow_version):
     """Two LLM apps: the folder at ROUTE, and the MLflow version with no route (as the rollout
     flow deploys versions). Deleted, with Serve if this module started it, at the end."""
     from ray import serve
-
 
     apps: list[str] = []
     with stack.ray_cluster().connect():
@@ -89,19 +95,40 @@ def serve_apps(stack, tiny_model, mlflow_version):
             base_url = f"http://127.0.0.1:{client.http_config.port}{ROUTE}"
 
             name, version = mlflow_version.split(":")
-            local_args = LLMAppArgs(**tiny_args(
-                model=str(tiny_model), version_label=LOCAL_VERSION, route_prefix=ROUTE))
-            mlflow_args = LLMAppArgs(**tiny_args(mlflow={
-                "tracking_uri": stack.mlflow_uri, "model_name": name, "version": version}))
+            local_args = LLMAppArgs(
+                **tiny_args(model=str(tiny_model), version_label=LOCAL_VERSION, route_prefix=ROUTE)
+            )
+            mlflow_args = LLMAppArgs(
+                **tiny_args(
+                    mlflow={
+                        "tracking_uri": stack.mlflow_uri,
+                        "model_name": name,
+                        "version": version,
+                    }
+                )
+            )
             apps += ["llm-local", "llm-mlflow"]
             # Both at once: their replicas start side by side (each about 15 s here).
-            local_handle, mlflow_handle = serve.run_many([
-                serve.RunTarget(build_llm_app(local_args), name="llm-local",
-                                route_prefix=local_args.route_prefix),
-                serve.RunTarget(build_llm_app(mlflow_args), name="llm-mlflow",
-                                route_prefix=mlflow_args.route_prefix)])
-            yield {"url": base_url, "local": local_handle, "mlflow": mlflow_handle,
-                   "mlflow_version": f"{name}/{version}"}
+            local_handle, mlflow_handle = serve.run_many(
+                [
+                    serve.RunTarget(
+                        build_llm_app(local_args),
+                        name="llm-local",
+                        route_prefix=local_args.route_prefix,
+                    ),
+                    serve.RunTarget(
+                        build_llm_app(mlflow_args),
+                        name="llm-mlflow",
+                        route_prefix=mlflow_args.route_prefix,
+                    ),
+                ]
+            )
+            yield {
+                "url": base_url,
+                "local": local_handle,
+                "mlflow": mlflow_handle,
+                "mlflow_version": f"{name}/{version}",
+            }
         finally:
             for app in apps:
                 serve.delete(app)
@@ -118,23 +145,30 @@ def post(url: str, body, *, stream: bool = False, headers: dict | None = None):
     import requests
 
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return requests.post(url, data=data, stream=stream, timeout=60,
-                         headers={"content-type": "application/json", **(headers or {})})
+    return requests.post(
+        url,
+        data=data,
+        stream=stream,
+        timeout=60,
+        headers={"content-type": "application/json", **(headers or {})},
+    )
 
 
 def sse_events(response) -> list:
     events = []
     for line in response.iter_lines(decode_unicode=True):
         if line.startswith("data: "):
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
 
 
 def test_completion_counts_tokens_and_names_its_version(serve_apps):
-    response = post(f"{serve_apps['url']}/v1/completions",
-                    {"model": SERVED_NAME, "prompt": "ray serve canary", "max_tokens": 8,
-                     "ignore_eos": True}, headers={"X-Request-Id": "req-42"})
+    response = post(
+        f"{serve_apps['url']}/v1/completions",
+        {"model": SERVED_NAME, "prompt": "ray serve canary", "max_tokens": 8, "ignore_eos": True},
+        headers={"X-Request-Id": "req-42"},
+    )
     assert response.status_code == 200, response.text
     assert response.headers["X-Model-Version"] == LOCAL_VERSION
     assert response.headers["X-Request-Id"] == "req-42"
@@ -148,10 +182,17 @@ def test_completion_counts_tokens_and_names_its_version(serve_apps):
 
 
 def test_chat_completion_applies_the_template_and_counts_tokens(serve_apps):
-    response = post(f"{serve_apps['url']}/v1/chat/completions", {
-        "messages": [{"role": "system", "content": "be brief"},
-                     {"role": "user", "content": "which model is live?"}],
-        "max_tokens": 6, "temperature": 0})
+    response = post(
+        f"{serve_apps['url']}/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "which model is live?"},
+            ],
+            "max_tokens": 6,
+            "temperature": 0,
+        },
+    )
     assert response.status_code == 200, response.text
     assert response.headers["X-Model-Version"] == LOCAL_VERSION
     assert len(response.headers["X-Request-Id"]) >= 16  # generated when none is given
@@ -165,10 +206,17 @@ def test_chat_completion_applies_the_template_and_counts_tokens(serve_apps):
 
 
 def test_streaming_sends_sse_chunks_then_usage_then_done(serve_apps):
-    response = post(f"{serve_apps['url']}/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "stream please"}], "max_tokens": 5,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}},
-        stream=True)
+    response = post(
+        f"{serve_apps['url']}/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "stream please"}],
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        stream=True,
+    )
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
     assert response.headers["X-Model-Version"] == LOCAL_VERSION
@@ -182,26 +230,43 @@ def test_streaming_sends_sse_chunks_then_usage_then_done(serve_apps):
     assert text
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
 
-    plain = post(f"{serve_apps['url']}/v1/completions",
-                 {"prompt": "ray", "max_tokens": 4, "ignore_eos": True, "stream": True},
-                 stream=True)
+    plain = post(
+        f"{serve_apps['url']}/v1/completions",
+        {"prompt": "ray", "max_tokens": 4, "ignore_eos": True, "stream": True},
+        stream=True,
+    )
     events = sse_events(plain)
     assert events[-1] == "[DONE]" and len(events) >= 3
     assert events[-2]["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("path, body, param, code", [
-    ("/v1/chat/completions", b'{"messages": [', None, "invalid_json"),
-    ("/v1/chat/completions", {"max_tokens": 4}, "messages", "missing_required_parameter"),
-    ("/v1/completions", {"max_tokens": 4}, "prompt", "missing_required_parameter"),
-    ("/v1/completions", {"prompt": "ray", "max_tokens": MAX_MODEL_LEN + 1}, "max_tokens",
-     "context_length_exceeded"),
-    # The article's OOM case: a prompt past max_model_len is refused, and the engine lives on.
-    ("/v1/completions", {"prompt": "ray serve " * (4 * MAX_MODEL_LEN), "max_tokens": 4},
-     "prompt", "context_length_exceeded"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "temperature": "hot"}, "temperature", "invalid_type"),
-])
+@pytest.mark.parametrize(
+    "path, body, param, code",
+    [
+        ("/v1/chat/completions", b'{"messages": [', None, "invalid_json"),
+        ("/v1/chat/completions", {"max_tokens": 4}, "messages", "missing_required_parameter"),
+        ("/v1/completions", {"max_tokens": 4}, "prompt", "missing_required_parameter"),
+        (
+            "/v1/completions",
+            {"prompt": "ray", "max_tokens": MAX_MODEL_LEN + 1},
+            "max_tokens",
+            "context_length_exceeded",
+        ),
+        # The article's OOM case: a prompt past max_model_len is refused, and the engine lives on.
+        (
+            "/v1/completions",
+            {"prompt": "ray serve " * (4 * MAX_MODEL_LEN), "max_tokens": 4},
+            "prompt",
+            "context_length_exceeded",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+            "temperature",
+            "invalid_type",
+        ),
+    ],
+)
 def test_bad_requests_get_openai_style_400s(serve_apps, path, body, param, code):
     response = post(f"{serve_apps['url']}{path}", body)
     assert response.status_code == 400, response.text
@@ -215,16 +280,24 @@ def test_bad_requests_get_openai_style_400s(serve_apps, path, body, param, code)
 
 def test_the_router_interface_through_a_deployment_handle(serve_apps):
     handle = serve_apps["local"]
-    request = {"method": "POST", "path": "/v1/completions", "query": "",
-               "headers": {"content-type": "application/json"},
-               "body": json.dumps({"prompt": "ray", "max_tokens": 3, "ignore_eos": True}).encode()}
+    request = {
+        "method": "POST",
+        "path": "/v1/completions",
+        "query": "",
+        "headers": {"content-type": "application/json"},
+        "body": json.dumps({"prompt": "ray", "max_tokens": 3, "ignore_eos": True}).encode(),
+    }
     reply = handle.handle_http.remote(request).result(timeout_s=60)
     assert reply["status"] == 200
     assert reply["headers"]["x-model-version"] == LOCAL_VERSION
     assert json.loads(reply["body"])["usage"]["completion_tokens"] == 3
 
-    streamed = dict(request, body=json.dumps(
-        {"prompt": "ray", "max_tokens": 3, "ignore_eos": True, "stream": True}).encode())
+    streamed = dict(
+        request,
+        body=json.dumps(
+            {"prompt": "ray", "max_tokens": 3, "ignore_eos": True, "stream": True}
+        ).encode(),
+    )
     head, *chunks = list(handle.options(stream=True).handle_http_stream.remote(streamed))
     assert head["status"] == 200 and head["headers"]["content-type"] == "text/event-stream"
     assert all(isinstance(c, bytes) for c in chunks)
@@ -253,9 +326,15 @@ def test_health_check_generates_and_stats_feed_the_canary(serve_apps):
 
 
 def test_a_version_served_from_mlflow_carries_its_label(serve_apps):
-    request = {"method": "POST", "path": "/v1/chat/completions", "query": "", "headers": {},
-               "body": json.dumps({"messages": [{"role": "user", "content": "hi"}],
-                                   "max_tokens": 2, "ignore_eos": True}).encode()}
+    request = {
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "query": "",
+        "headers": {},
+        "body": json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "ignore_eos": True}
+        ).encode(),
+    }
     reply = serve_apps["mlflow"].handle_http.remote(request).result(timeout_s=60)
     assert reply["status"] == 200, reply["body"]
     assert reply["headers"]["x-model-version"] == serve_apps["mlflow_version"]
@@ -291,5 +370,7 @@ def test_args_build_from_a_declarative_config_entry(tiny_model):
     assert isinstance(build_llm_app(LLMAppArgs(**entry["args"])), Application)
 
     with pytest.raises(ValueError, match="exactly one model source"):
-        LLMAppArgs(model=str(tiny_model), mlflow={"tracking_uri": "http://x", "model_name": "m",
-                                                  "version": "1"})
+        LLMAppArgs(
+            model=str(tiny_model),
+            mlflow={"tracking_uri": "http://x", "model_name": "m", "version": "1"},
+        )

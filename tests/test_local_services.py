@@ -13,9 +13,23 @@ from deployments import local
 
 def _cli(state_dir: Path, *args: str, ports: tuple[int, int]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "deployments.local", *args, "--state-dir", str(state_dir),
-         "--prefect-port", str(ports[0]), "--mlflow-port", str(ports[1])],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+        [
+            sys.executable,
+            "-m",
+            "deployments.local",
+            *args,
+            "--state-dir",
+            str(state_dir),
+            "--prefect-port",
+            str(ports[0]),
+            "--mlflow-port",
+            str(ports[1]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parent.parent,
+    )
 
 
 def test_up_twice_status_down_leaves_nothing_running(tmp_path):
@@ -23,10 +37,13 @@ def test_up_twice_status_down_leaves_nothing_running(tmp_path):
     first = _cli(tmp_path, "up", ports=ports)
     assert first.returncode == 0, first.stdout + first.stderr
     assert first.stdout.count("started") == 2
-    pids = [json.loads((tmp_path / "pids" / f"{name}.json").read_text())["pid"]
-            for name in ("prefect", "mlflow")]
-    children = subprocess.run(["pgrep", "-g", ",".join(map(str, pids))],
-                              capture_output=True, text=True).stdout.split()
+    pids = [
+        json.loads((tmp_path / "pids" / f"{name}.json").read_text())["pid"]
+        for name in ("prefect", "mlflow")
+    ]
+    children = subprocess.run(
+        ["pgrep", "-g", ",".join(map(str, pids))], capture_output=True, text=True
+    ).stdout.split()
     assert len(children) >= 2
 
     second = _cli(tmp_path, "up", ports=ports)

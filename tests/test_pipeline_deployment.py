@@ -31,25 +31,44 @@ RUN_TIMEOUT_S = 300
 OBSERVATION = [0.01, -0.02, 0.03, 0.04]
 # One short trial: the test checks the wiring, not the policy's quality.
 TINY_SWEEP = {
-    "num_samples": 1, "search_space": {}, "scheduler": {"kind": "fifo"},
-    "hyperparameters": {"train_batch_size_per_learner": 500, "minibatch_size": 64,
-                        "num_epochs": 2, "lr": 5e-4},
+    "num_samples": 1,
+    "search_space": {},
+    "scheduler": {"kind": "fifo"},
+    "hyperparameters": {
+        "train_batch_size_per_learner": 500,
+        "minibatch_size": 64,
+        "num_epochs": 2,
+        "lr": 5e-4,
+    },
     "stop": {"training_iterations": 2, "env_steps": None, "episode_return": None},
 }
-FAST_GATES = {"health_timeout_s": 180, "stability_window_s": 3, "canary_steps": [0.3],
-              "canary_hold_s": 3, "bake_s": 3, "bake_window_s": 2,
-              "max_p99_ms": 5000, "p99_slack_ms": 1000}
-SMALL_SERVING = {"num_cpus": 0.1, "router_num_cpus": 0.1, "health_check_period_s": 1,
-                 "health_check_timeout_s": 5}
+FAST_GATES = {
+    "health_timeout_s": 180,
+    "stability_window_s": 3,
+    "canary_steps": [0.3],
+    "canary_hold_s": 3,
+    "bake_s": 3,
+    "bake_window_s": 2,
+    "max_p99_ms": 5000,
+    "p99_slack_ms": 1000,
+}
+SMALL_SERVING = {
+    "num_cpus": 0.1,
+    "router_num_cpus": 0.1,
+    "health_check_period_s": 1,
+    "health_check_timeout_s": 5,
+}
 
 pytestmark = pytest.mark.slow
 
 
 def cli(args: list[str], env: dict[str, str], timeout: float = 240) -> str:
-    done = subprocess.run([PREFECT, *args], env=env, cwd=PROJECT_ROOT, capture_output=True,
-                          text=True, timeout=timeout)
-    assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout[-3000:]}\n" \
-                                 f"{done.stderr[-3000:]}"
+    done = subprocess.run(
+        [PREFECT, *args], env=env, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, (
+        f"prefect {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )
     return done.stdout
 
 
@@ -60,16 +79,19 @@ def wait_final(client, flow_run_id: str, timeout: float):
         if run.state is not None and run.state.is_final():
             return run
         if time.monotonic() > deadline:
-            pytest.fail(f"flow run {flow_run_id} still {run.state and run.state.name} after "
-                        f"{timeout:.0f} s")
+            pytest.fail(
+                f"flow run {flow_run_id} still {run.state and run.state.name} after {timeout:.0f} s"
+            )
         time.sleep(2)
 
 
 def asset_event(client, key: str):
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
-    flt = EventFilter(event=EventNameFilter(name=["prefect.asset.materialization.succeeded"]),
-                      resource=EventResourceFilter(id=[key]))
+    flt = EventFilter(
+        event=EventNameFilter(name=["prefect.asset.materialization.succeeded"]),
+        resource=EventResourceFilter(id=[key]),
+    )
     deadline = time.monotonic() + 30
     while True:  # events reach the API asynchronously
         events = client.read_events(filter=flt, limit=10).events
@@ -85,13 +107,20 @@ def environment(stack):
     worker process for the pool; and, at the end, the worker stopped by pid and every Serve
     app this test made deleted."""
     env = setup.Environment(
-        ray_address=stack.ray_address, mlflow_uri=stack.mlflow_uri, ray_token=stack.ray_token,
-        ray_dashboard_url=stack.ray_dashboard_url, serve_port=stack.serve_port,
+        ray_address=stack.ray_address,
+        mlflow_uri=stack.mlflow_uri,
+        ray_token=stack.ray_token,
+        ray_dashboard_url=stack.ray_dashboard_url,
+        serve_port=stack.serve_port,
         routes=(ROUTE,),
-        client_env={"PREFECT_API_URL": stack.prefect_api_url,
-                    "MLFLOW_TRACKING_URI": stack.mlflow_uri, "RAY_AUTH_MODE": "token",
-                    "RAY_AUTH_TOKEN_PATH": str(stack.state_dir / "ray_auth_token"),
-                    "PREFECT_WORKER_QUERY_SECONDS": "2"})
+        client_env={
+            "PREFECT_API_URL": stack.prefect_api_url,
+            "MLFLOW_TRACKING_URI": stack.mlflow_uri,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(stack.state_dir / "ray_auth_token"),
+            "PREFECT_WORKER_QUERY_SECONDS": "2",
+        },
+    )
     model_name = f"shipped-{uuid.uuid4().hex[:6]}"
     try:
         yield env, model_name
@@ -100,8 +129,11 @@ def environment(stack):
         cluster = stack.ray_cluster()
         with cluster.connect():
             sc.start(cluster.serve_host, cluster.serve_port)
-            apps = {a for a in sc.app_configs()
-                    if a.startswith(model_name) or a == sc.router_app_name(ROUTE)}
+            apps = {
+                a
+                for a in sc.app_configs()
+                if a.startswith(model_name) or a == sc.router_app_name(ROUTE)
+            }
             sc.apply(deletes=apps)
             sc.drop_route_stats(ROUTE)
 
@@ -118,8 +150,14 @@ def test_train_and_ship_deployment_run_serves_its_version(stack, environment, pr
     started = time.monotonic()
     out = cli(["--no-prompt", "deploy", "--all"], cli_env)
     timings["deploy"] = time.monotonic() - started
-    for name in ("data-prep", "tune-sweep", "register-and-promote", "serve-rollout",
-                 "reconcile", "train-and-ship"):
+    for name in (
+        "data-prep",
+        "tune-sweep",
+        "register-and-promote",
+        "serve-rollout",
+        "reconcile",
+        "train-and-ship",
+    ):
         assert f"/{name}'" in out, out[-2000:]
     deployment = prefect_client.read_deployment_by_name("train-and-ship/train-and-ship")
     schedules = prefect_client.read_deployment_schedules(deployment.id)
@@ -129,24 +167,38 @@ def test_train_and_ship_deployment_run_serves_its_version(stack, environment, pr
     print(setup.start_worker(stack.state_dir, env.client_env, env.work_pool))
     timings["worker"] = time.monotonic() - started
 
-    params = {"model_name": model_name, "route": ROUTE, "sweep": TINY_SWEEP,
-              "evaluation_episodes": 2, "gates": FAST_GATES, "serving": SMALL_SERVING,
-              "storage_root": str(stack.state_dir / "sweeps")}
+    params = {
+        "model_name": model_name,
+        "route": ROUTE,
+        "sweep": TINY_SWEEP,
+        "evaluation_episodes": 2,
+        "gates": FAST_GATES,
+        "serving": SMALL_SERVING,
+        "storage_root": str(stack.state_dir / "sweeps"),
+    }
     started = time.monotonic()
-    out = cli(["deployment", "run", "train-and-ship/train-and-ship", "--params",
-               json.dumps(params)], cli_env, timeout=120)
+    out = cli(
+        ["deployment", "run", "train-and-ship/train-and-ship", "--params", json.dumps(params)],
+        cli_env,
+        timeout=120,
+    )
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
     run = wait_final(prefect_client, flow_run_id, RUN_TIMEOUT_S)
     timings["run"] = time.monotonic() - started
     print("timings (s):", {k: round(v, 1) for k, v in timings.items()})
-    assert run.state.is_completed(), f"{run.state.name}: {run.state.message}; worker log: " \
+    assert run.state.is_completed(), (
+        f"{run.state.name}: {run.state.message}; worker log: "
         f"{setup.worker_service(stack.state_dir).log_file}"
+    )
 
     # Its subflows, each Completed, under this run.
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
-    children = prefect_client.read_flow_runs(flow_run_filter=FlowRunFilter(
-        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
+    children = prefect_client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])
+        )
+    )
     by_flow = {prefect_client.read_flow(c.flow_id).name: c for c in children}
     assert set(by_flow) == {"tune-sweep", "register-and-promote", "serve-rollout"}
     assert all(c.state.is_completed() for c in children)
@@ -172,8 +224,9 @@ def test_train_and_ship_deployment_run_serves_its_version(stack, environment, pr
     assert answer["answer"]["action"] in (0, 1) and answer["answer"]["model_version"] == "1"
 
     # The walk from that answer back to the runs that made it.
-    walked = walkback.walk(f"http://127.0.0.1:{stack.serve_port}/{ROUTE}", model_name,
-                           stack.mlflow_uri)
+    walked = walkback.walk(
+        f"http://127.0.0.1:{stack.serve_port}/{ROUTE}", model_name, stack.mlflow_uri
+    )
     assert walked["served"]["version"] == "1"
     assert walked["pipeline_flow_run"].endswith(flow_run_id)
     assert walked["sweep_flow_run"].endswith(str(by_flow["tune-sweep"].id))
@@ -182,9 +235,12 @@ def test_train_and_ship_deployment_run_serves_its_version(stack, environment, pr
     # Prefect assets: route <- app <- model version <- experiment.
     cluster, server = stack.ray_cluster(), MLflowServer(tracking_uri=stack.mlflow_uri)
     app = sc.version_app_name(model_name, "1")
-    chain = [lineage.serve_route_key(cluster, ROUTE), lineage.serve_app_key(cluster, app),
-             lineage.model_version_key(server, model_name, "1"),
-             lineage.experiment_key(tags[tag + "tune.experiment_path"])]
+    chain = [
+        lineage.serve_route_key(cluster, ROUTE),
+        lineage.serve_app_key(cluster, app),
+        lineage.model_version_key(server, model_name, "1"),
+        lineage.experiment_key(tags[tag + "tune.experiment_path"]),
+    ]
     for downstream, upstream in zip(chain, chain[1:], strict=False):
         event = asset_event(prefect_client, downstream)
         assert upstream in {r.id for r in event.related}, (downstream, event.related)
@@ -199,13 +255,17 @@ def test_asset_keys_are_valid_and_name_their_objects():
 
     cluster = RayCluster(address="ray://10.0.0.5:10001")
     server = MLflowServer(tracking_uri="http://user@mlflow.internal:5000")
-    keys = [lineage.experiment_key("/data/sweeps/run 1/sweep/"),
-            lineage.experiment_key("s3://bucket/sweeps/abc/sweep"),
-            lineage.model_version_key(server, "cartpole-ppo", "3"),
-            lineage.serve_app_key(cluster, "cartpole-ppo-v3"),
-            lineage.serve_route_key(cluster, "policy")]
+    keys = [
+        lineage.experiment_key("/data/sweeps/run 1/sweep/"),
+        lineage.experiment_key("s3://bucket/sweeps/abc/sweep"),
+        lineage.model_version_key(server, "cartpole-ppo", "3"),
+        lineage.serve_app_key(cluster, "cartpole-ppo-v3"),
+        lineage.serve_route_key(cluster, "policy"),
+    ]
     assert [Asset(key=k).key for k in keys] == [
-        "file:///data/sweeps/run_1/sweep", "s3://bucket/sweeps/abc/sweep",
+        "file:///data/sweeps/run_1/sweep",
+        "s3://bucket/sweeps/abc/sweep",
         "mlflow://mlflow.internal:5000/models/cartpole-ppo/versions/3",
         "rayserve://10.0.0.5:10001/apps/cartpole-ppo-v3",
-        "rayserve://10.0.0.5:10001/routes/policy"]
+        "rayserve://10.0.0.5:10001/routes/policy",
+    ]

@@ -16,13 +16,16 @@ def test_no_champion_promotes():
     assert verdict.promote and "no champion" in verdict.reason
 
 
-@pytest.mark.parametrize("challenger,champion,margin,promote", [
-    (200.0, 100.0, 0.0, True),
-    (200.0, 100.0, 99.0, True),
-    (200.0, 100.0, 100.0, False),   # must beat the margin, not meet it
-    (100.0, 100.0, 0.0, False),     # a tie keeps the champion
-    (90.0, 100.0, 0.0, False),
-])
+@pytest.mark.parametrize(
+    "challenger,champion,margin,promote",
+    [
+        (200.0, 100.0, 0.0, True),
+        (200.0, 100.0, 99.0, True),
+        (200.0, 100.0, 100.0, False),  # must beat the margin, not meet it
+        (100.0, 100.0, 0.0, False),  # a tie keeps the champion
+        (90.0, 100.0, 0.0, False),
+    ],
+)
 def test_margin_decides(challenger, champion, margin, promote):
     verdict = decide_promotion(score("2", challenger), score("1", champion), margin)
     assert verdict.promote is promote

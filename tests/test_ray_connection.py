@@ -24,8 +24,10 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 def test_twenty_tasks_on_the_head_are_recorded_under_their_flow_run(stack, task_runs):
     report = ray_smoke(tasks=20, ray_cluster=stack.ray_cluster())
 
-    runs = task_runs(report.fan_out_flow_run_id, lambda runs: len(runs) == 20 and all(
-        run.state.is_completed() for run in runs))
+    runs = task_runs(
+        report.fan_out_flow_run_id,
+        lambda runs: len(runs) == 20 and all(run.state.is_completed() for run in runs),
+    )
     assert len(runs) == 20
     assert {run.state.type for run in runs} == {StateType.COMPLETED}
     assert {run.name.split("-")[0] for run in runs} == {"probe"}
@@ -36,7 +38,8 @@ def test_twenty_tasks_on_the_head_are_recorded_under_their_flow_run(stack, task_
 
 
 def test_a_driver_elsewhere_gets_the_project_from_py_modules_and_its_own_temporary_api(
-        stack, tmp_path):
+    stack, tmp_path
+):
     """The upstream #18485 case: no PREFECT_API_URL, so the flow process runs Prefect's
     temporary server. Workers must use that one, not start their own; and with the driver
     outside the checkout, workers import the project from the shipped py_modules."""
@@ -44,7 +47,12 @@ def test_a_driver_elsewhere_gets_the_project_from_py_modules_and_its_own_tempora
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
     result = subprocess.run(
         [sys.executable, "-m", "flows.ray_smoke", "--tasks", "4", "--address", stack.ray_address],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -83,13 +91,13 @@ def test_a_crashed_worker_is_retried_as_a_recorded_attempt(stack, tmp_path, task
     assert state.result() == 2
     # The body ran once per attempt, and Prefect knows of both attempts.
     assert marker.read_text().splitlines() == ["ran", "ran"]
-    (task_run,) = task_runs(state.state_details.flow_run_id,
-                             lambda runs: runs and runs[0].state.is_completed())
+    (task_run,) = task_runs(
+        state.state_details.flow_run_id, lambda runs: runs and runs[0].state.is_completed()
+    )
     assert task_run.state.is_completed() and task_run.run_count == 2
 
 
-def test_crash_retries_exhausted_end_crashed_without_hidden_reruns(
-        stack, tmp_path, task_runs):
+def test_crash_retries_exhausted_end_crashed_without_hidden_reruns(stack, tmp_path, task_runs):
     marker = tmp_path / "runs.txt"
     runner = stack.ray_cluster().task_runner(crash_retries=1, crash_backoff_s=0.1)
     state = dying_flow.with_options(task_runner=runner)(str(marker), 99, return_state=True)
@@ -97,8 +105,9 @@ def test_crash_retries_exhausted_end_crashed_without_hidden_reruns(
     assert not state.is_completed()
     # One run plus one crash retry; Ray's own default would have run it four times.
     assert marker.read_text().splitlines() == ["ran", "ran"]
-    (task_run,) = task_runs(state.state_details.flow_run_id,
-                             lambda runs: runs and runs[0].state.is_crashed())
+    (task_run,) = task_runs(
+        state.state_details.flow_run_id, lambda runs: runs and runs[0].state.is_crashed()
+    )
     assert task_run.state.is_crashed()
 
 
@@ -149,8 +158,10 @@ def test_embedded_ray_dashboard_answers_on_loopback_only(stack):
 def what_ray_gave_me() -> dict:
     import ray
 
-    return {"cpus": ray.get_runtime_context().get_assigned_resources().get("CPU"),
-            "flag": os.environ.get("PROBE_FLAG")}
+    return {
+        "cpus": ray.get_runtime_context().get_assigned_resources().get("CPU"),
+        "flag": os.environ.get("PROBE_FLAG"),
+    }
 
 
 @task(timeout_seconds=2)
@@ -175,27 +186,32 @@ def execution_flow(word: str):
     return resources, slow.state
 
 
-def test_ray_resources_timeouts_and_logs_on_the_task_itself(stack, prefect_client,
-                                                         task_runs):
+def test_ray_resources_timeouts_and_logs_on_the_task_itself(stack, prefect_client, task_runs):
     from prefect.client.schemas.filters import LogFilter
 
     word = f"w{time.monotonic_ns()}"
     started = time.monotonic()
     state = execution_flow.with_options(task_runner=stack.ray_cluster().task_runner())(
-        word, return_state=True)
+        word, return_state=True
+    )
     resources, slow_state = state.result()
 
     assert resources == {"cpus": 3.0, "flag": "on"}
     assert slow_state.is_failed() and slow_state.name == "TimedOut"
     assert time.monotonic() - started < 45
     # What the task logged and printed inside its Ray worker sits under its own task run.
-    runs = task_runs(state.state_details.flow_run_id,
-                      lambda runs: any(r.name.startswith("chatty") for r in runs))
+    runs = task_runs(
+        state.state_details.flow_run_id, lambda runs: any(r.name.startswith("chatty") for r in runs)
+    )
     (chatty_run,) = [r for r in runs if r.name.startswith("chatty")]
     deadline = time.monotonic() + 20
     while True:
-        messages = [log.message for log in prefect_client.read_logs(
-            log_filter=LogFilter(task_run_id={"any_": [chatty_run.id]}))]
+        messages = [
+            log.message
+            for log in prefect_client.read_logs(
+                log_filter=LogFilter(task_run_id={"any_": [chatty_run.id]})
+            )
+        ]
         if sum(word in m for m in messages) >= 2 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -207,7 +223,7 @@ def test_an_unknown_ray_option_is_rejected():
         ray_options(num_cpu=1)
 
 
-SLEEPER_FLOW = '''
+SLEEPER_FLOW = """
 import os, sys, time
 from prefect import flow, task
 from blocks import RayCluster
@@ -227,7 +243,7 @@ def sleepers(marker_dir: str):
 if __name__ == "__main__":
     runner = RayCluster(address=sys.argv[1]).task_runner()
     sleepers.with_options(task_runner=runner)(sys.argv[2])
-'''
+"""
 
 
 def test_stopping_the_flow_process_stops_its_ray_tasks(stack, tmp_path):
@@ -240,9 +256,12 @@ def test_stopping_the_flow_process_stops_its_ray_tasks(stack, tmp_path):
     script.write_text(SLEEPER_FLOW)
     markers = tmp_path / "markers"
     markers.mkdir()
-    process = subprocess.Popen([sys.executable, str(script), stack.ray_address, str(markers)],
-                               cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, str(script), stack.ray_address, str(markers)],
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while len(list(markers.glob("*.pid"))) < 2 and time.monotonic() < deadline:

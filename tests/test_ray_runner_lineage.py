@@ -46,7 +46,8 @@ def lineage_flow(marker: str) -> str:
 def lineage_run(stack, task_runs):
     marker = f"m{time.monotonic_ns()}"
     state = lineage_flow.with_options(task_runner=stack.ray_cluster().task_runner())(
-        marker, return_state=True)
+        marker, return_state=True
+    )
     assert state.result() == marker
     flow_run_id = state.state_details.flow_run_id
     (task_run,) = task_runs(flow_run_id, lambda runs: len(runs) == 1)
@@ -65,30 +66,38 @@ def test_the_flow_run_links_its_ray_job_on_the_dashboard(stack, prefect_client, 
     assert labels["ray.dashboard_url"] == stack.ray_dashboard_url
     (artifact,) = prefect_client.read_artifacts(
         artifact_filter=ArtifactFilter(key={"any_": [RAY_DASHBOARD_ARTIFACT_KEY]}),
-        flow_run_filter=FlowRunFilter(id={"any_": [lineage_run["flow_run_id"]]}))
+        flow_run_filter=FlowRunFilter(id={"any_": [lineage_run["flow_run_id"]]}),
+    )
     assert artifact.type == "markdown"
     assert f"({stack.ray_dashboard_url}/#/jobs/{job_id})" in artifact.data
 
 
-def test_the_ray_job_and_every_ray_task_carry_the_flow_run_id(
-        stack, prefect_client, lineage_run):
+def test_the_ray_job_and_every_ray_task_carry_the_flow_run_id(stack, prefect_client, lineage_run):
     from ray.util.state import list_jobs, list_tasks
 
     flow_run_id = str(lineage_run["flow_run_id"])
     task_run_id = str(lineage_run["task_run"].id)
     job_id = _flow_run(prefect_client, lineage_run).labels["ray.job_id"]
 
-    (job,) = [j for j in list_jobs(address=stack.ray_dashboard_url, limit=1000,
-                                       detail=True)
-              if j.job_id == job_id]
+    (job,) = [
+        j
+        for j in list_jobs(address=stack.ray_dashboard_url, limit=1000, detail=True)
+        if j.job_id == job_id
+    ]
     assert job.metadata[JOB_METADATA_FLOW_RUN_ID] == flow_run_id
 
-    names = {t.name for t in list_tasks(address=stack.ray_dashboard_url,
-                                        filters=[("job_id", "=", job_id)], limit=1000)}
+    names = {
+        t.name
+        for t in list_tasks(
+            address=stack.ray_dashboard_url, filters=[("job_id", "=", job_id)], limit=1000
+        )
+    }
     # The task run's own Ray task, its child and its grandchild, all tied to the task run.
-    assert names == {ray_task_name("starts_ray_work", flow_run_id, task_run_id),
-                     ray_task_name("shout", flow_run_id, task_run_id, started_from=True),
-                     ray_task_name("whisper", flow_run_id, task_run_id, started_from=True)}
+    assert names == {
+        ray_task_name("starts_ray_work", flow_run_id, task_run_id),
+        ray_task_name("shout", flow_run_id, task_run_id, started_from=True),
+        ray_task_name("whisper", flow_run_id, task_run_id, started_from=True),
+    }
     assert {prefect_ids_in_name(name)[:2] for name in names} == {(flow_run_id, task_run_id)}
 
 
@@ -100,7 +109,8 @@ def test_plain_ray_tasks_started_by_a_task_run_log_under_it(prefect_client, line
     deadline = time.monotonic() + 10  # the flow waited for them; the API may lag a little
     while True:
         logs = prefect_client.read_logs(
-            log_filter=LogFilter(task_run_id={"any_": [lineage_run["task_run"].id]}))
+            log_filter=LogFilter(task_run_id={"any_": [lineage_run["task_run"].id]})
+        )
         found = {w for w in wanted if any(w in log.message for log in logs)}
         if found == wanted or time.monotonic() > deadline:
             break

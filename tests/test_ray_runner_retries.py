@@ -53,7 +53,8 @@ def retry_flow(marker: str) -> tuple[int, float]:
 def test_a_retry_delay_holds_no_cpus_on_ray(stack, tmp_path, task_runs):
     marker = tmp_path / "attempts.txt"
     state = retry_flow.with_options(task_runner=stack.ray_cluster().task_runner())(
-        str(marker), return_state=True)
+        str(marker), return_state=True
+    )
     attempts, busy_started = state.result()
 
     first, second = map(float, marker.read_text().splitlines())
@@ -61,7 +62,9 @@ def test_a_retry_delay_holds_no_cpus_on_ray(stack, tmp_path, task_runs):
     assert second - first >= RETRY_DELAY_S - 0.5  # the delay was kept ...
     # ... and a task needing every CPU of the cluster ran inside it, not after it.
     assert first < busy_started < second
-    runs = task_runs(state.state_details.flow_run_id, lambda runs: len(runs) == 4 and all(
-        run.state.is_completed() for run in runs))
+    runs = task_runs(
+        state.state_details.flow_run_id,
+        lambda runs: len(runs) == 4 and all(run.state.is_completed() for run in runs),
+    )
     (flaky_run,) = [run for run in runs if run.name.startswith("fails_once")]
     assert flaky_run.state.is_completed() and flaky_run.run_count == 2

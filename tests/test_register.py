@@ -24,11 +24,17 @@ EPISODES = 5
 
 
 def request(model: str, checkpoint: str, trial: str, **fields) -> RegistrationRequest:
-    return RegistrationRequest(model_name=model, checkpoint=checkpoint,
-                               experiment_path="/tmp/experiments/sweep-a", trial_id=trial,
-                               evaluation_episodes=EPISODES, best_config={"lr": 1e-3},
-                               metrics={"episode_return_mean": 100.0},
-                               trials=[{"trial_id": trial}], **fields)
+    return RegistrationRequest(
+        model_name=model,
+        checkpoint=checkpoint,
+        experiment_path="/tmp/experiments/sweep-a",
+        trial_id=trial,
+        evaluation_episodes=EPISODES,
+        best_config={"lr": 1e-3},
+        metrics={"episode_return_mean": 100.0},
+        trials=[{"trial_id": trial}],
+        **fields,
+    )
 
 
 @pytest.fixture
@@ -45,8 +51,7 @@ def versions(client: MlflowClient, name: str) -> list:
     return client.search_model_versions(f"name = '{name}'")
 
 
-def test_registering_the_same_trial_twice_gives_one_version(
-        checkpoints, server, model_name, stack):
+def test_registering_the_same_trial_twice_gives_one_version(checkpoints, server, model_name, stack):
     first = register_and_promote(request(model_name, checkpoints["good"], "t1"), server)
     second = register_and_promote(request(model_name, checkpoints["good"], "t1"), server)
 
@@ -64,8 +69,10 @@ def test_registering_the_same_trial_twice_gives_one_version(
     run = client.get_run(version.run_id)
     assert run.data.tags["lifecycle.prefect.flow_run_id"] == tags["lifecycle.prefect.flow_run_id"]
     assert "eval_mean_return" in run.data.metrics and run.data.params["lr"] == "0.001"
-    assert {a.path for a in client.list_artifacts(version.run_id)} >= {"trials.json",
-                                                                        "evaluation.json"}
+    assert {a.path for a in client.list_artifacts(version.run_id)} >= {
+        "trials.json",
+        "evaluation.json",
+    }
 
 
 def test_promotion_rejection_and_alias_history(checkpoints, server, model_name, stack):
@@ -85,7 +92,8 @@ def test_promotion_rejection_and_alias_history(checkpoints, server, model_name, 
     assert rejected["lifecycle.promotion.verdict"] == "rejected"
     assert rejected["lifecycle.promotion.champion_version"] == "2"
     assert float(rejected["lifecycle.promotion.challenger_mean_return"]) < float(
-        rejected["lifecycle.promotion.champion_mean_return"])
+        rejected["lifecycle.promotion.champion_mean_return"]
+    )
     assert "not better" in rejected["lifecycle.promotion.reason"]
     assert client.get_model_version_by_alias(model_name, "champion").version == "2"
 
@@ -96,20 +104,27 @@ def test_promotion_rejection_and_alias_history(checkpoints, server, model_name, 
 
     history = registry.alias_history(client, model_name, "champion")
     assert [(h["version"], h["previous"]) for h in history] == [
-        ("1", None), ("2", "1"), ("1", "2"), ("4", "1")]
+        ("1", None),
+        ("2", "1"),
+        ("1", "2"),
+        ("4", "1"),
+    ]
 
 
-def test_champion_loads_in_a_fresh_process_and_acts(checkpoints, server, model_name, stack,
-                                                   tmp_path):
+def test_champion_loads_in_a_fresh_process_and_acts(
+    checkpoints, server, model_name, stack, tmp_path
+):
     register_and_promote(request(model_name, checkpoints["good"], "t1"), server)
     script = (
         "import json, numpy as np, mlflow, gymnasium as gym\n"
         f"model = mlflow.pyfunc.load_model('models:/{model_name}@champion')\n"
         "env = gym.make('CartPole-v1')\n"
         "obs = np.stack([env.reset(seed=s)[0] for s in range(8)]).astype('float32')\n"
-        "print(json.dumps(np.asarray(model.predict(obs)).tolist()))\n")
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=300)
+        "print(json.dumps(np.asarray(model.predict(obs)).tolist()))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     actions = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(actions) == 8 and set(actions) <= {0, 1}
@@ -134,13 +149,18 @@ def test_bad_inputs_register_nothing(checkpoints, server, model_name, stack, tmp
     with pytest.raises(Exception, match="not exist|RESOURCE_DOES_NOT_EXIST"):
         client.get_registered_model(model_name)
 
-    state = register_and_promote(request(model_name, checkpoints["good"], "t1"), server,
-                                 create_model=False, return_state=True)
+    state = register_and_promote(
+        request(model_name, checkpoints["good"], "t1"),
+        server,
+        create_model=False,
+        return_state=True,
+    )
     assert state.is_failed() and versions(client, model_name) == []
 
 
 def test_an_mlflow_outage_during_registration_is_retried_to_exactly_one_version(
-        checkpoints, model_name, task_runs, tmp_path):
+    checkpoints, model_name, task_runs, tmp_path
+):
     """A server of its own, stopped for a few seconds while the flow registers."""
     (port,) = local.free_ports(1)
     (service,) = local.services(tmp_path / "mlflow-outage", {"mlflow": port}, ("mlflow",))
@@ -153,15 +173,23 @@ def test_an_mlflow_outage_during_registration_is_retried_to_exactly_one_version(
         restart = threading.Timer(4.0, local.start, args=(service,))
         restart.start()
         started = time.monotonic()
-        state = register_and_promote(request(model_name, checkpoints["good"], "t1"), server,
-                                     create_model=False, return_state=True)
+        state = register_and_promote(
+            request(model_name, checkpoints["good"], "t1"),
+            server,
+            create_model=False,
+            return_state=True,
+        )
         restart.join()
         result = state.result()
         assert time.monotonic() - started > 4.0
         assert result.created and result.version == "1"
         assert len(versions(MlflowClient(service.url), model_name)) == 1
-        runs = task_runs(state.state_details.flow_run_id, lambda runs: any(
-            t.name.startswith("register") and t.state.is_completed() for t in runs))
+        runs = task_runs(
+            state.state_details.flow_run_id,
+            lambda runs: any(
+                t.name.startswith("register") and t.state.is_completed() for t in runs
+            ),
+        )
         (register_run,) = [t for t in runs if t.name.startswith("register")]
         assert register_run.state.is_completed() and register_run.run_count > 1
     finally:

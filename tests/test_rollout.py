@@ -26,16 +26,26 @@ OBSERVATION = [0.01, -0.02, 0.03, 0.04]
 
 
 def fast_gates(**overrides) -> Gates:
-    settings = dict(health_timeout_s=120, stability_window_s=3, canary_steps=[0.3],
-                    canary_hold_s=3, canary_min_requests=5, canary_max_wait_s=60, bake_s=4,
-                    bake_window_s=2, max_error_rate=0.05,
-                    # Latency gates are loose here: a shared 2-core machine's p99 is noise.
-                    max_p99_ms=5000, p99_slack_ms=1000)
+    settings = dict(
+        health_timeout_s=120,
+        stability_window_s=3,
+        canary_steps=[0.3],
+        canary_hold_s=3,
+        canary_min_requests=5,
+        canary_max_wait_s=60,
+        bake_s=4,
+        bake_window_s=2,
+        max_error_rate=0.05,
+        # Latency gates are loose here: a shared 2-core machine's p99 is noise.
+        max_p99_ms=5000,
+        p99_slack_ms=1000,
+    )
     return Gates(**{**settings, **overrides})
 
 
-SERVING = Serving(num_cpus=0.1, health_check_period_s=1, health_check_timeout_s=5,
-                  router_num_cpus=0.1)
+SERVING = Serving(
+    num_cpus=0.1, health_check_period_s=1, health_check_timeout_s=5, router_num_cpus=0.1
+)
 
 
 class Load(threading.Thread):
@@ -52,11 +62,18 @@ class Load(threading.Thread):
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
         while not self.stopping.is_set():
             try:
-                connection.request("POST", f"/{self.route}", body,
-                                   {"content-type": "application/json"})
+                connection.request(
+                    "POST", f"/{self.route}", body, {"content-type": "application/json"}
+                )
                 response = connection.getresponse()
-                self.results.append((time.time(), response.status,
-                                     response.getheader("X-Model-Version"), response.read()))
+                self.results.append(
+                    (
+                        time.time(),
+                        response.status,
+                        response.getheader("X-Model-Version"),
+                        response.read(),
+                    )
+                )
             except (OSError, http.client.HTTPException) as error:
                 self.results.append((time.time(), 0, None, repr(error).encode()))
                 connection.close()
@@ -88,26 +105,47 @@ def serving(stack, checkpoints):
     client = MlflowClient(stack.mlflow_uri)
     for trial in range(6):
         registry.register_checkpoint(
-            client, name=name, checkpoint=checkpoints["good"], experiment_name="rollout-tests",
-            trial_key_value=f"{name}-{trial}", params={}, metrics={}, tags={},
-            description="", artifacts={}, observation_size=4)
+            client,
+            name=name,
+            checkpoint=checkpoints["good"],
+            experiment_name="rollout-tests",
+            trial_key_value=f"{name}-{trial}",
+            params={},
+            metrics={},
+            tags={},
+            description="",
+            artifacts={},
+            observation_size=4,
+        )
     with cluster.connect():
         sc.start(cluster.serve_host, cluster.serve_port)
         try:
-            yield {"cluster": cluster, "server": server, "name": name, "client": client,
-                   "port": cluster.serve_port}
+            yield {
+                "cluster": cluster,
+                "server": server,
+                "name": name,
+                "client": client,
+                "port": cluster.serve_port,
+            }
         finally:
-            apps = [a for a in sc.app_configs() if a.startswith(name) or
-                    a == sc.router_app_name(ROUTE)]
+            apps = [
+                a for a in sc.app_configs() if a.startswith(name) or a == sc.router_app_name(ROUTE)
+            ]
             sc.apply(deletes=set(apps))
             sc.drop_route_stats(ROUTE)
 
 
 def rollout(serving, version, **kwargs):
     kwargs.setdefault("gates", fast_gates())
-    return serve_rollout(model_name=serving["name"], version=str(version), route=ROUTE,
-                         serving=SERVING, ray_cluster=serving["cluster"],
-                         mlflow_server=serving["server"], **kwargs)
+    return serve_rollout(
+        model_name=serving["name"],
+        version=str(version),
+        route=ROUTE,
+        serving=SERVING,
+        ray_cluster=serving["cluster"],
+        mlflow_server=serving["server"],
+        **kwargs,
+    )
 
 
 def live_version(serving) -> str | None:
@@ -126,7 +164,8 @@ def rollout_events(prefect_client, serving, version, outcome) -> list:
 
     flt = EventFilter(
         event=EventNameFilter(name=[f"ray-lifecycle.rollout.{outcome}"]),
-        resource=EventResourceFilter(id=[f"mlflow.model-version.{serving['name']}.{version}"]))
+        resource=EventResourceFilter(id=[f"mlflow.model-version.{serving['name']}.{version}"]),
+    )
     deadline = time.monotonic() + 20
     while True:  # events reach the API asynchronously
         events = prefect_client.read_events(filter=flt, limit=50).events
@@ -163,7 +202,8 @@ def test_first_rollout_then_a_good_candidate_swaps_with_zero_failed_requests(ser
 
 
 def test_a_candidate_whose_health_check_fails_is_rejected_without_a_failed_request(
-        serving, prefect_client):
+    serving, prefect_client
+):
     assert live_version(serving) == "2"
     # Healthy at first, failing two seconds later: one look at RUNNING would pass it.
     drill = Drill(faults={"fail_health_after_s": 2})
@@ -221,16 +261,20 @@ def test_degradation_after_the_swap_is_rolled_back(serving, prefect_client):
     assert rollout_events(prefect_client, serving, 5, "rolled-back")
 
 
-@pytest.mark.parametrize("body, content_type, status, message", [
-    (b'{"observation": [1, 2, 3]}', "application/json", 422, "shape [4]"),
-    (b'{"observation": ["a", "b", "c", "d"]}', "application/json", 422, "numbers only"),
-    (b'{"observation": [1, 2, NaN, 4]}', "application/json", 400, "not valid JSON"),
-    (b"not json", "application/json", 400, "not valid JSON"),
-    (b"\0" * 12, "application/octet-stream", 422, "float32"),
-    (b"x" * (2 << 20), "application/json", 413, "exceeds the limit"),
-])
+@pytest.mark.parametrize(
+    "body, content_type, status, message",
+    [
+        (b'{"observation": [1, 2, 3]}', "application/json", 422, "shape [4]"),
+        (b'{"observation": ["a", "b", "c", "d"]}', "application/json", 422, "numbers only"),
+        (b'{"observation": [1, 2, NaN, 4]}', "application/json", 400, "not valid JSON"),
+        (b"not json", "application/json", 400, "not valid JSON"),
+        (b"\0" * 12, "application/octet-stream", 422, "float32"),
+        (b"x" * (2 << 20), "application/json", 413, "exceeds the limit"),
+    ],
+)
 def test_bad_requests_get_4xx_with_a_message_and_the_replica_stays_healthy(
-        serving, body, content_type, status, message):
+    serving, body, content_type, status, message
+):
     app = sc.version_app_name(serving["name"], "2")
     replicas = sc.deployment_state(app, sc.POLICY_DEPLOYMENT)["replicas"]
     connection = http.client.HTTPConnection("127.0.0.1", serving["port"], timeout=30)
@@ -250,8 +294,14 @@ def test_bad_requests_get_4xx_with_a_message_and_the_replica_stays_healthy(
 
 def test_reconcile_rolls_out_a_manual_champion_and_otherwise_does_nothing(serving):
     client, name = serving["client"], serving["name"]
-    common = dict(model_name=name, route=ROUTE, gates=fast_gates(), serving=SERVING,
-                  ray_cluster=serving["cluster"], mlflow_server=serving["server"])
+    common = dict(
+        model_name=name,
+        route=ROUTE,
+        gates=fast_gates(),
+        serving=SERVING,
+        ray_cluster=serving["cluster"],
+        mlflow_server=serving["server"],
+    )
     client.set_registered_model_alias(name, registry.CHAMPION, "2")
     assert reconcile(**common).action == "in_sync"
     client.set_registered_model_alias(name, registry.CHAMPION, "4")  # failed its canary

@@ -24,8 +24,7 @@ from workloads import rllib
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # A PPO trial iteration of ~1 s on the shared 2-core machine.
 TINY = {
-    "hyperparameters": {"train_batch_size_per_learner": 256, "minibatch_size": 64,
-                        "num_epochs": 2},
+    "hyperparameters": {"train_batch_size_per_learner": 256, "minibatch_size": 64, "num_epochs": 2},
     "scheduler": {"kind": "fifo"},
     "stop": {"training_iterations": 2, "env_steps": None, "episode_return": None},
 }
@@ -41,13 +40,19 @@ def result_lines(trial_dir: Path) -> list[dict]:
 
 # --- pure pieces ---------------------------------------------------------------------------
 
+
 def test_search_space_spec_becomes_tune_domains():
     from ray.tune.search.sample import Categorical, Float, Integer
 
-    space = rllib.parse_search_space({
-        "lr": {"loguniform": [1e-4, 1e-3]}, "gamma": {"uniform": [0.9, 0.99]},
-        "minibatch_size": {"choice": [64, 128]}, "num_epochs": {"randint": [1, 5]},
-        "entropy_coeff": {"grid": [0.0, 0.01]}})
+    space = rllib.parse_search_space(
+        {
+            "lr": {"loguniform": [1e-4, 1e-3]},
+            "gamma": {"uniform": [0.9, 0.99]},
+            "minibatch_size": {"choice": [64, 128]},
+            "num_epochs": {"randint": [1, 5]},
+            "entropy_coeff": {"grid": [0.0, 0.01]},
+        }
+    )
     assert isinstance(space["lr"], Float) and space["lr"].lower == 1e-4
     assert isinstance(space["gamma"], Float) and space["gamma"].upper == 0.99
     assert isinstance(space["minibatch_size"], Categorical)
@@ -56,14 +61,17 @@ def test_search_space_spec_becomes_tune_domains():
     assert space["entropy_coeff"] == {"grid_search": [0.0, 0.01]}
 
 
-@pytest.mark.parametrize(("spec", "message"), [
-    ({"lr": {"logunifrom": [1e-4, 1e-3]}}, "key 'lr': unknown kind 'logunifrom'"),
-    ({"lr": {"loguniform": [0, 1e-3]}}, "key 'lr': loguniform needs low > 0"),
-    ({"lr": {"uniform": [1e-3, 1e-4]}}, "key 'lr': uniform needs low < high"),
-    ({"num_epochs": {"randint": [1.5, 4]}}, "key 'num_epochs': randint takes"),
-    ({"minibatch_size": {"choice": []}}, "key 'minibatch_size': choice takes a non-empty"),
-    ({"minibatch_size": [64, 128]}, "key 'minibatch_size': expected one of"),
-])
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"lr": {"logunifrom": [1e-4, 1e-3]}}, "key 'lr': unknown kind 'logunifrom'"),
+        ({"lr": {"loguniform": [0, 1e-3]}}, "key 'lr': loguniform needs low > 0"),
+        ({"lr": {"uniform": [1e-3, 1e-4]}}, "key 'lr': uniform needs low < high"),
+        ({"num_epochs": {"randint": [1.5, 4]}}, "key 'num_epochs': randint takes"),
+        ({"minibatch_size": {"choice": []}}, "key 'minibatch_size': choice takes a non-empty"),
+        ({"minibatch_size": [64, 128]}, "key 'minibatch_size': expected one of"),
+    ],
+)
 def test_a_bad_search_space_spec_names_the_key(spec, message):
     with pytest.raises(ValueError, match=message):
         rllib.parse_search_space(spec)
@@ -74,19 +82,24 @@ def test_the_flow_rejects_a_bad_spec_before_any_ray_work(tmp_path):
         SweepConfig(search_space={"minibatch_sise": {"choice": [64, 128]}})
     started = time.monotonic()
     with pytest.raises(Exception, match="'lr': loguniform needs low > 0"):
-        tune_sweep(sweep={"search_space": {"lr": {"loguniform": [0, 1]}}},
-                   storage_root=str(tmp_path))
+        tune_sweep(
+            sweep={"search_space": {"lr": {"loguniform": [0, 1]}}}, storage_root=str(tmp_path)
+        )
     assert time.monotonic() - started < 30
     assert not any(tmp_path.iterdir())
 
 
 def test_every_flow_parameter_and_setting_is_described_for_the_ui():
     schema = tune_sweep.parameters.model_dump()
-    undescribed = [name for name, prop in schema["properties"].items()
-                   if not prop.get("description")]
-    undescribed += [f"{model}.{name}" for model, definition in schema["definitions"].items()
-                    for name, prop in definition.get("properties", {}).items()
-                    if not prop.get("description")]
+    undescribed = [
+        name for name, prop in schema["properties"].items() if not prop.get("description")
+    ]
+    undescribed += [
+        f"{model}.{name}"
+        for model, definition in schema["definitions"].items()
+        for name, prop in definition.get("properties", {}).items()
+        if not prop.get("description")
+    ]
     assert undescribed == []
     assert "SweepConfig" in schema["definitions"]
 
@@ -95,13 +108,19 @@ def test_stop_conditions_stop_a_trial_at_the_first_one_met():
     from tasks.tune import StopConditions, SweepStopper
 
     stop = StopConditions(env_steps=4000, episode_return=450, trial_seconds=60)
-    assert stop.criteria() == {rllib.ENV_STEPS_METRIC: 4000, rllib.RETURN_METRIC: 450,
-                               "time_total_s": 60}
+    assert stop.criteria() == {
+        rllib.ENV_STEPS_METRIC: 4000,
+        rllib.RETURN_METRIC: 450,
+        "time_total_s": 60,
+    }
     stopper = SweepStopper(stop.criteria(), flow_run_id=None)
 
     def result(steps, ret, seconds):
-        return {rllib.ENV_STEPS_METRIC: steps, "time_total_s": seconds,
-                "env_runners": {"episode_return_mean": ret}}
+        return {
+            rllib.ENV_STEPS_METRIC: steps,
+            "time_total_s": seconds,
+            "env_runners": {"episode_return_mean": ret},
+        }
 
     assert not stopper("t", result(2000, 120.0, 10))
     assert not stopper("t", result(2000, float("nan"), 10))  # no episode finished yet
@@ -120,23 +139,40 @@ def test_preflight_verdict_names_what_was_asked_and_what_exists():
 
 # --- against the session's Ray head --------------------------------------------------------
 
+
 def test_preflight_rejects_a_gpu_trial_on_a_cpu_cluster_within_seconds(stack, tmp_path):
     started = time.monotonic()
-    with pytest.raises(ValueError, match=r"preflight: one trial asks for CPU=1, GPU=1, but the "
-                                         r"whole Ray cluster has GPU=0"):
-        tune_sweep(sweep=tiny(resources={"gpus": 1}), ray_cluster=stack.ray_cluster(),
-                   storage_root=str(tmp_path))
+    with pytest.raises(
+        ValueError,
+        match=r"preflight: one trial asks for CPU=1, GPU=1, but the "
+        r"whole Ray cluster has GPU=0",
+    ):
+        tune_sweep(
+            sweep=tiny(resources={"gpus": 1}),
+            ray_cluster=stack.ray_cluster(),
+            storage_root=str(tmp_path),
+        )
     assert time.monotonic() - started < 30
     assert not list(tmp_path.rglob("experiment_state-*.json"))  # no trial ever started
 
 
 def test_two_trial_sweep_finishes_and_its_checkpoint_loads_and_acts(
-        stack, tmp_path, prefect_client):
+    stack, tmp_path, prefect_client
+):
     result = tune_sweep(
-        sweep=tiny(num_samples=2, seed=7, scheduler={"kind": "asha"},
-                   search_space={"lr": {"loguniform": [1e-4, 1e-3]},
-                                 "minibatch_size": {"choice": [64, 128]}}),
-        ray_cluster=stack.ray_cluster(), storage_root=str(tmp_path), evaluation_episodes=3)
+        sweep=tiny(
+            num_samples=2,
+            seed=7,
+            scheduler={"kind": "asha"},
+            search_space={
+                "lr": {"loguniform": [1e-4, 1e-3]},
+                "minibatch_size": {"choice": [64, 128]},
+            },
+        ),
+        ray_cluster=stack.ray_cluster(),
+        storage_root=str(tmp_path),
+        evaluation_episodes=3,
+    )
 
     assert len(result.trials) == 2
     assert {t.status for t in result.trials} == {"TERMINATED"}
@@ -150,8 +186,10 @@ def test_two_trial_sweep_finishes_and_its_checkpoint_loads_and_acts(
 
     # Both trials' envs were seeded from the sweep's seed: before any update, their first
     # iterations sampled the same episodes.
-    first_returns = {result_lines(Path(t.checkpoint).parent)[0]["env_runners"]
-                     ["episode_return_mean"] for t in result.trials}
+    first_returns = {
+        result_lines(Path(t.checkpoint).parent)[0]["env_runners"]["episode_return_mean"]
+        for t in result.trials
+    }
     assert len(first_returns) == 1
 
     # The checkpoint's RLModule alone acts in the env.
@@ -164,8 +202,12 @@ def test_two_trial_sweep_finishes_and_its_checkpoint_loads_and_acts(
     assert result.evaluation.seeds == [7 + rllib.EVAL_SEED_OFFSET + i for i in range(3)]
     assert all(9 <= r <= 500 for r in result.evaluation.returns)  # CartPole's own bounds
 
-    artifacts = {a.key: a for a in prefect_client.read_artifacts(
-        flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))}
+    artifacts = {
+        a.key: a
+        for a in prefect_client.read_artifacts(
+            flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]})
+        )
+    }
     assert artifacts["tune-sweep-progress"].data == 100
     table = json.loads(artifacts["tune-sweep-trials"].data)
     assert sorted(row["trial"] for row in table) == sorted(t.trial_id for t in result.trials)
@@ -177,20 +219,33 @@ def test_two_trial_sweep_finishes_and_its_checkpoint_loads_and_acts(
 def test_a_failing_trial_is_retried_up_to_max_failures_then_fails_the_flow(stack, tmp_path):
     survived = tmp_path / "survived"
     result = tune_sweep(
-        sweep=tiny(environment="workloads.rllib:flaky_cartpole",
-                   env_config={"marker_dir": str(survived), "failures": 1},
-                   num_samples=1, max_failures=1, stop={"training_iterations": 1}),
-        ray_cluster=stack.ray_cluster(), storage_root=str(tmp_path / "a"), evaluation_episodes=1)
+        sweep=tiny(
+            environment="workloads.rllib:flaky_cartpole",
+            env_config={"marker_dir": str(survived), "failures": 1},
+            num_samples=1,
+            max_failures=1,
+            stop={"training_iterations": 1},
+        ),
+        ray_cluster=stack.ray_cluster(),
+        storage_root=str(tmp_path / "a"),
+        evaluation_episodes=1,
+    )
     assert [t.status for t in result.trials] == ["TERMINATED"]
     assert len(list(survived.glob("failure-*"))) == 1
 
     beyond = tmp_path / "beyond"
     with pytest.raises(RuntimeError, match=r"failed after 1 retries: .*injected env failure 2"):
         tune_sweep(
-            sweep=tiny(environment="workloads.rllib:flaky_cartpole",
-                       env_config={"marker_dir": str(beyond), "failures": 3},
-                       num_samples=1, max_failures=1, stop={"training_iterations": 1}),
-            ray_cluster=stack.ray_cluster(), storage_root=str(tmp_path / "b"))
+            sweep=tiny(
+                environment="workloads.rllib:flaky_cartpole",
+                env_config={"marker_dir": str(beyond), "failures": 3},
+                num_samples=1,
+                max_failures=1,
+                stop={"training_iterations": 1},
+            ),
+            ray_cluster=stack.ray_cluster(),
+            storage_root=str(tmp_path / "b"),
+        )
     assert len(list(beyond.glob("failure-*"))) == 2  # the first try and its one retry
 
 
@@ -217,10 +272,21 @@ def _start_flow_run(stack, flow_run_id, parameters, tmp_path):
     # for a finished trial to be recorded there, so make that quick.
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "TUNE_GLOBAL_CHECKPOINT_S": "1"}
     return subprocess.Popen(
-        [sys.executable, str(script), str(flow_run_id), stack.ray_address, stack.ray_token,
-         json.dumps(parameters)],
-        cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True)
+        [
+            sys.executable,
+            str(script),
+            str(flow_run_id),
+            stack.ray_address,
+            stack.ray_token,
+            json.dumps(parameters),
+        ],
+        cwd=PROJECT_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _recorded_statuses(experiment: Path) -> dict[str, str]:
@@ -238,17 +304,26 @@ def _recorded_statuses(experiment: Path) -> dict[str, str]:
 
 def _sweep_flow_run(prefect_client, tmp_path, **sweep):
     """A tune-sweep flow run created in the API, its parameters, and where its sweep lives."""
-    parameters = {"sweep": {**TINY, **sweep}, "storage_root": str(tmp_path / "sweeps"),
-                  "evaluation_episodes": 1}
+    parameters = {
+        "sweep": {**TINY, **sweep},
+        "storage_root": str(tmp_path / "sweeps"),
+        "evaluation_episodes": 1,
+    }
     flow_run = prefect_client.create_flow_run(tune_sweep, parameters=parameters)
     return flow_run, parameters, tmp_path / "sweeps" / str(flow_run.id) / "sweep"
 
 
 def test_a_killed_flow_run_resumes_its_sweep_without_redoing_finished_trials(
-        stack, tmp_path, prefect_client):
+    stack, tmp_path, prefect_client
+):
     flow_run, parameters, experiment = _sweep_flow_run(
-        prefect_client, tmp_path, search_space={"lr": {"grid": [1e-4, 3e-4, 1e-3]}},
-        num_samples=1, max_concurrent_trials=1, stop={"training_iterations": 3})
+        prefect_client,
+        tmp_path,
+        search_space={"lr": {"grid": [1e-4, 3e-4, 1e-3]}},
+        num_samples=1,
+        max_concurrent_trials=1,
+        stop={"training_iterations": 3},
+    )
 
     first = _start_flow_run(stack, flow_run.id, parameters, tmp_path)
     try:
@@ -266,8 +341,9 @@ def test_a_killed_flow_run_resumes_its_sweep_without_redoing_finished_trials(
     finished_lines = {t: result_lines(next(experiment.glob(f"*_{t}_*"))) for t in finished}
 
     # What a worker does for a flow process that vanished; then the same flow run runs again.
-    prefect_client.set_flow_run_state(flow_run.id, Crashed(message="killed by the test"),
-                                      force=True)
+    prefect_client.set_flow_run_state(
+        flow_run.id, Crashed(message="killed by the test"), force=True
+    )
     second = _start_flow_run(stack, flow_run.id, parameters, tmp_path)
     output, _ = second.communicate(timeout=300)
     assert second.returncode == 0, output[-3000:]
@@ -286,13 +362,14 @@ def test_a_killed_flow_run_resumes_its_sweep_without_redoing_finished_trials(
     assert prefect_client.read_flow_run(flow_run.id).state.is_completed()
     assert prefect_client.read_artifacts(
         artifact_filter=ArtifactFilter(key={"any_": ["tune-sweep-best"]}),
-        flow_run_filter=FlowRunFilter(id={"any_": [str(flow_run.id)]}))
+        flow_run_filter=FlowRunFilter(id={"any_": [str(flow_run.id)]}),
+    )
 
 
 def test_cancelling_the_flow_run_stops_the_sweep_and_its_trials(stack, tmp_path, prefect_client):
     flow_run, parameters, experiment = _sweep_flow_run(
-        prefect_client, tmp_path, num_samples=1, search_space={},
-        stop={"training_iterations": 500})
+        prefect_client, tmp_path, num_samples=1, search_space={}, stop={"training_iterations": 500}
+    )
     process = _start_flow_run(stack, flow_run.id, parameters, tmp_path)
     try:
         deadline = time.monotonic() + 180
@@ -300,8 +377,9 @@ def test_cancelling_the_flow_run_stops_the_sweep_and_its_trials(stack, tmp_path,
             assert process.poll() is None, process.communicate()[0][-3000:]
             assert time.monotonic() < deadline, "the trial never reported"
             time.sleep(0.5)
-        prefect_client.set_flow_run_state(flow_run.id, Cancelling(message="from the UI"),
-                                          force=True)
+        prefect_client.set_flow_run_state(
+            flow_run.id, Cancelling(message="from the UI"), force=True
+        )
         cancelled_at = time.monotonic()
         output, _ = process.communicate(timeout=120)
     finally:

@@ -22,8 +22,12 @@ class Thresholds:
     def __post_init__(self):
         if not 0.0 <= self.max_error_rate <= 1.0:
             raise ValueError(f"max_error_rate must be within [0, 1], got {self.max_error_rate}")
-        if self.max_p99_ms <= 0 or self.max_p99_ratio < 1.0 or self.min_requests < 0 \
-                or self.p99_slack_ms < 0:
+        if (
+            self.max_p99_ms <= 0
+            or self.max_p99_ratio < 1.0
+            or self.min_requests < 0
+            or self.p99_slack_ms < 0
+        ):
             raise ValueError(f"thresholds out of range: {self}")
 
 
@@ -33,32 +37,44 @@ class Judgement:
     reason: str
 
 
-def judge(candidate: dict[str, Any] | None, live: dict[str, Any] | None,
-          thresholds: Thresholds) -> Judgement:
+def judge(
+    candidate: dict[str, Any] | None, live: dict[str, Any] | None, thresholds: Thresholds
+) -> Judgement:
     """Judge a version's figures ({requests, errors, error_rate, p99_ms}) for one window."""
     requests = int(candidate["requests"]) if candidate else 0
     if requests == 0 or requests < thresholds.min_requests:
-        return Judgement(None, f"{requests} request(s), fewer than the "
-                               f"{max(thresholds.min_requests, 1)} needed to judge")
+        return Judgement(
+            None,
+            f"{requests} request(s), fewer than the "
+            f"{max(thresholds.min_requests, 1)} needed to judge",
+        )
     if too_many := _error_failure(candidate, thresholds):
         return too_many
     rate = int(candidate["errors"]) / requests
     p99 = candidate.get("p99_ms")
     if p99 is not None and p99 > thresholds.max_p99_ms:
         return Judgement(False, f"p99 latency {p99:.1f} ms is above {thresholds.max_p99_ms:g} ms")
-    baseline = live.get("p99_ms") if live and live.get("requests", 0) >= \
-        MIN_BASELINE_REQUESTS else None
-    if p99 is not None and baseline is not None and \
-            p99 > baseline * thresholds.max_p99_ratio + thresholds.p99_slack_ms:
-        return Judgement(False, f"p99 latency {p99:.1f} ms is over {thresholds.max_p99_ratio:g}x "
-                                f"the live version's {baseline:.1f} ms + "
-                                f"{thresholds.p99_slack_ms:g} ms")
+    baseline = (
+        live.get("p99_ms") if live and live.get("requests", 0) >= MIN_BASELINE_REQUESTS else None
+    )
+    if (
+        p99 is not None
+        and baseline is not None
+        and p99 > baseline * thresholds.max_p99_ratio + thresholds.p99_slack_ms
+    ):
+        return Judgement(
+            False,
+            f"p99 latency {p99:.1f} ms is over {thresholds.max_p99_ratio:g}x "
+            f"the live version's {baseline:.1f} ms + "
+            f"{thresholds.p99_slack_ms:g} ms",
+        )
     latency = f", p99 {p99:.1f} ms" if p99 is not None else ""
     return Judgement(True, f"{requests} requests, error rate {rate:.1%}{latency}")
 
 
-def early_failure(candidate: dict[str, Any] | None, thresholds: Thresholds,
-                  min_requests: int = 10) -> Judgement | None:
+def early_failure(
+    candidate: dict[str, Any] | None, thresholds: Thresholds, min_requests: int = 10
+) -> Judgement | None:
     """A failure already certain mid-window: enough requests and too many errors."""
     if not candidate or candidate["requests"] < max(min_requests, thresholds.min_requests):
         return None
@@ -69,6 +85,9 @@ def _error_failure(candidate: dict[str, Any], thresholds: Thresholds) -> Judgeme
     requests, errors = int(candidate["requests"]), int(candidate["errors"])
     rate = errors / requests
     if rate > thresholds.max_error_rate:
-        return Judgement(False, f"error rate {rate:.1%} ({errors} of {requests}) is above "
-                                f"{thresholds.max_error_rate:.1%}")
+        return Judgement(
+            False,
+            f"error rate {rate:.1%} ({errors} of {requests}) is above "
+            f"{thresholds.max_error_rate:.1%}",
+        )
     return None

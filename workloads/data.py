@@ -34,14 +34,26 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     "bool": pa.bool_(),
     "timestamp": pa.timestamp("us", tz="UTC"),
 }
-EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv",
-              ".jsonl": "json", ".ndjson": "json", ".json": "json"}
+EXTENSIONS = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".csv": "csv",
+    ".jsonl": "json",
+    ".ndjson": "json",
+    ".json": "json",
+}
 SPLIT_COLUMN = "split"
 SPLITS = ("train", "eval")
 QUARANTINE_DIR = "quarantine"
 MANIFEST = "_manifest.json"
-QUARANTINE_SCHEMA = pa.schema([("source", pa.string()), ("reason", pa.string()),
-                               ("detail", pa.string()), ("row", pa.string())])
+QUARANTINE_SCHEMA = pa.schema(
+    [
+        ("source", pa.string()),
+        ("reason", pa.string()),
+        ("detail", pa.string()),
+        ("row", pa.string()),
+    ]
+)
 # Hash space for the split: a key goes to eval when its hash falls below ratio * this.
 SPLIT_BUCKETS = 2**32
 HASH_CHUNK_BYTES = 4 << 20
@@ -101,10 +113,14 @@ def filesystem_and_path(location: str) -> tuple[pafs.FileSystem, str]:
 
 def _data_files(filesystem: pafs.FileSystem, base: str) -> list[pafs.FileInfo]:
     selector = pafs.FileSelector(base, recursive=True, allow_not_found=True)
-    return [info for info in filesystem.get_file_info(selector)
-            if info.type == pafs.FileType.File
-            and not any(part.startswith(("_", ".")) for part in
-                        posixpath.relpath(info.path, base).split("/"))]
+    return [
+        info
+        for info in filesystem.get_file_info(selector)
+        if info.type == pafs.FileType.File
+        and not any(
+            part.startswith(("_", ".")) for part in posixpath.relpath(info.path, base).split("/")
+        )
+    ]
 
 
 def _glob_match(parts: list[str], pattern: list[str]) -> bool:
@@ -113,18 +129,24 @@ def _glob_match(parts: list[str], pattern: list[str]) -> bool:
         return not parts
     if pattern[0] == "**":
         return any(_glob_match(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
-    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and \
-        _glob_match(parts[1:], pattern[1:])
+    return (
+        bool(parts)
+        and fnmatch.fnmatchcase(parts[0], pattern[0])
+        and _glob_match(parts[1:], pattern[1:])
+    )
 
 
 def resolve_source(source: str) -> SourceFiles:
     """The files behind a path, glob or URI; raises SourceError when there are none."""
     filesystem, path = filesystem_and_path(source)
     if _has_glob(path):
-        base = path[:min(path.find(c) for c in "*?[" if c in path)].rpartition("/")[0] or "/"
+        base = path[: min(path.find(c) for c in "*?[" if c in path)].rpartition("/")[0] or "/"
         pattern = path.strip("/").split("/")
-        infos = [i for i in _data_files(filesystem, base)
-                 if _glob_match(i.path.strip("/").split("/"), pattern)]
+        infos = [
+            i
+            for i in _data_files(filesystem, base)
+            if _glob_match(i.path.strip("/").split("/"), pattern)
+        ]
     else:
         info = filesystem.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
@@ -137,10 +159,17 @@ def resolve_source(source: str) -> SourceFiles:
     formats = {EXTENSIONS.get(posixpath.splitext(i.path)[1].lower()) for i in infos}
     if None in formats or len(formats) != 1:
         kinds = sorted({posixpath.splitext(i.path)[1] or "(none)" for i in infos})
-        raise SourceError(f"source {source!r} must hold files of one format (.parquet, .csv or "
-                          f".jsonl); found extensions {kinds}")
-    return SourceFiles(source=source, filesystem=filesystem, path=path,
-                       paths=tuple(sorted(i.path for i in infos)), format=formats.pop())
+        raise SourceError(
+            f"source {source!r} must hold files of one format (.parquet, .csv or "
+            f".jsonl); found extensions {kinds}"
+        )
+    return SourceFiles(
+        source=source,
+        filesystem=filesystem,
+        path=path,
+        paths=tuple(sorted(i.path for i in infos)),
+        format=formats.pop(),
+    )
 
 
 def _file_digest(filesystem: pafs.FileSystem, path: str) -> str:
@@ -151,15 +180,20 @@ def _file_digest(filesystem: pafs.FileSystem, path: str) -> str:
     return digest.hexdigest()
 
 
-def content_fingerprint(files: SourceFiles, transform_source: str,
-                        parameters: dict[str, Any]) -> str:
+def content_fingerprint(
+    files: SourceFiles, transform_source: str, parameters: dict[str, Any]
+) -> str:
     """sha256 over the files' bytes (in path order), the transform's source and the parameters
     that shape the output: same inputs, same fingerprint, wherever the files live."""
     with ThreadPoolExecutor(4) as pool:  # hashlib releases the GIL on large buffers
         digests = list(pool.map(lambda p: _file_digest(files.filesystem, p), files.paths))
     outer = hashlib.sha256()
-    for value in (files.format, *digests, transform_source,
-                  json.dumps(parameters, sort_keys=True, default=str)):
+    for value in (
+        files.format,
+        *digests,
+        transform_source,
+        json.dumps(parameters, sort_keys=True, default=str),
+    ):
         outer.update(value.encode())
         outer.update(b"\0")
     return outer.hexdigest()
@@ -224,8 +258,7 @@ def summarize_source(files: SourceFiles) -> SourceSummary:
     if files.format == "parquet":
         metas = [pq.ParquetFile(fs.open_input_file(p)).metadata for p in files.paths]
         schema = metas[0].schema.to_arrow_schema()
-        return SourceSummary({f.name: f.type for f in schema},
-                             any(m.num_rows for m in metas))
+        return SourceSummary({f.name: f.type for f in schema}, any(m.num_rows for m in metas))
     if files.format == "csv":
         columns: dict[str, pa.DataType] = {}
         has_rows = False
@@ -234,8 +267,10 @@ def summarize_source(files: SourceFiles) -> SourceSummary:
                 continue
             with fs.open_input_stream(path) as stream:
                 reader = pacsv.open_csv(
-                    stream, read_options=pacsv.ReadOptions(block_size=1 << 20),
-                    parse_options=pacsv.ParseOptions(invalid_row_handler=_skip_malformed))
+                    stream,
+                    read_options=pacsv.ReadOptions(block_size=1 << 20),
+                    parse_options=pacsv.ParseOptions(invalid_row_handler=_skip_malformed),
+                )
                 if not columns:
                     columns = {f.name: f.type for f in reader.schema}
                 try:
@@ -253,17 +288,22 @@ def summarize_source(files: SourceFiles) -> SourceSummary:
     return SourceSummary({}, False)
 
 
-def resolve_schema(summary: SourceSummary, expected: dict[str, str] | None,
-                   required: Iterable[str] = (), also_needed: Iterable[str] = ()
-                   ) -> dict[str, str]:
+def resolve_schema(
+    summary: SourceSummary,
+    expected: dict[str, str] | None,
+    required: Iterable[str] = (),
+    also_needed: Iterable[str] = (),
+) -> dict[str, str]:
     """The schema rows are checked against: the expected one, or the first file's own.
     Raises SourceError naming any column the source or the schema lacks."""
     if expected is None:
         schema = {}
         for name, arrow_type in summary.columns.items():
             if (tname := type_name(arrow_type)) is None:
-                raise SourceError(f"column {name!r} has type {arrow_type}, which has no checked "
-                                  f"type; give an expected schema that leaves it out")
+                raise SourceError(
+                    f"column {name!r} has type {arrow_type}, which has no checked "
+                    f"type; give an expected schema that leaves it out"
+                )
             schema[name] = tname
     else:
         unknown_types = {c: t for c, t in expected.items() if t not in COLUMN_TYPES}
@@ -271,8 +311,10 @@ def resolve_schema(summary: SourceSummary, expected: dict[str, str] | None,
             raise SourceError(f"unknown column types {unknown_types}; use {list(COLUMN_TYPES)}")
         missing = [c for c in expected if c not in summary.columns]
         if missing:
-            raise SourceError(f"expected schema names columns {missing} that the source does not "
-                              f"have; its columns are {list(summary.columns)}")
+            raise SourceError(
+                f"expected schema names columns {missing} that the source does not "
+                f"have; its columns are {list(summary.columns)}"
+            )
         schema = dict(expected)
     for name in (*required, *also_needed):
         if name not in schema:
@@ -293,26 +335,34 @@ class FileCheck:
     readable_by_pipeline: bool
 
 
-def _quarantine_table(source: str | None, reasons: list[str], details: list[str],
-                      rows: list[str]) -> pa.Table:
-    return pa.table({"source": [source] * len(reasons), "reason": reasons,
-                     "detail": details, "row": rows}, schema=QUARANTINE_SCHEMA)
+def _quarantine_table(
+    source: str | None, reasons: list[str], details: list[str], rows: list[str]
+) -> pa.Table:
+    return pa.table(
+        {"source": [source] * len(reasons), "reason": reasons, "detail": details, "row": rows},
+        schema=QUARANTINE_SCHEMA,
+    )
 
 
-def write_quarantine(filesystem: pafs.FileSystem, directory: str, table: pa.Table,
-                     name: str) -> None:
+def write_quarantine(
+    filesystem: pafs.FileSystem, directory: str, table: pa.Table, name: str
+) -> None:
     if table.num_rows:
         filesystem.create_dir(directory, recursive=True)
-        pq.write_table(table, posixpath.join(directory, f"{name}.parquet"),
-                       filesystem=filesystem)
+        pq.write_table(table, posixpath.join(directory, f"{name}.parquet"), filesystem=filesystem)
 
 
 def _row_json(row: dict[str, Any]) -> str:
     return json.dumps(row, default=str, sort_keys=True)
 
 
-def check_file(filesystem: pafs.FileSystem, path: str, file_format: str,
-               schema: dict[str, str], quarantine_dir: str) -> FileCheck:
+def check_file(
+    filesystem: pafs.FileSystem,
+    path: str,
+    file_format: str,
+    schema: dict[str, str],
+    quarantine_dir: str,
+) -> FileCheck:
     """Count a file's rows and quarantine what the pipeline cannot read: every row of a file
     that lacks a schema column, and CSV lines with the wrong number of fields."""
     import pyarrow.csv as pacsv
@@ -320,8 +370,7 @@ def check_file(filesystem: pafs.FileSystem, path: str, file_format: str,
     name = "file-" + hashlib.sha256(path.encode()).hexdigest()[:16]
     if file_format == "json":
         with filesystem.open_input_stream(path) as stream:
-            rows = sum(1 for line in io.TextIOWrapper(stream, encoding="utf-8")
-                       if line.strip())
+            rows = sum(1 for line in io.TextIOWrapper(stream, encoding="utf-8") if line.strip())
         return FileCheck(path, rows, 0, True)
 
     malformed: list[pacsv.InvalidRow] = []
@@ -330,6 +379,7 @@ def check_file(filesystem: pafs.FileSystem, path: str, file_format: str,
         columns, rows = parquet.schema_arrow.names, parquet.metadata.num_rows
         table = None
     else:
+
         def keep_malformed(row: pacsv.InvalidRow) -> str:
             malformed.append(row)
             return "skip"
@@ -338,9 +388,12 @@ def check_file(filesystem: pafs.FileSystem, path: str, file_format: str,
             return FileCheck(path, 0, 0, False)
         with filesystem.open_input_stream(path) as stream:
             table = pacsv.read_csv(
-                stream, parse_options=pacsv.ParseOptions(invalid_row_handler=keep_malformed),
+                stream,
+                parse_options=pacsv.ParseOptions(invalid_row_handler=keep_malformed),
                 convert_options=pacsv.ConvertOptions(
-                    column_types={c: pa.string() for c in schema}, strings_can_be_null=True))
+                    column_types={c: pa.string() for c in schema}, strings_can_be_null=True
+                ),
+            )
         columns, rows = table.column_names, table.num_rows + len(malformed)
 
     missing = [c for c in schema if c not in columns]
@@ -348,18 +401,35 @@ def check_file(filesystem: pafs.FileSystem, path: str, file_format: str,
         table = table if table is not None else pq.read_table(path, filesystem=filesystem)
         reason = f"missing column {missing[0]!r}"
         details = f"file lacks columns {missing}"
-        write_quarantine(filesystem, quarantine_dir, _quarantine_table(
-            path, [reason] * table.num_rows, [details] * table.num_rows,
-            [_row_json(r) for r in table.to_pylist()]), name)
+        write_quarantine(
+            filesystem,
+            quarantine_dir,
+            _quarantine_table(
+                path,
+                [reason] * table.num_rows,
+                [details] * table.num_rows,
+                [_row_json(r) for r in table.to_pylist()],
+            ),
+            name,
+        )
         quarantined = table.num_rows
     else:
         quarantined = 0
     if malformed:
-        write_quarantine(filesystem, quarantine_dir, _quarantine_table(
-            path, ["malformed CSV row"] * len(malformed),
-            [f"line {r.number}: expected {r.expected_columns} fields, got {r.actual_columns}"
-             for r in malformed],
-            [r.text for r in malformed]), name + "-malformed")
+        write_quarantine(
+            filesystem,
+            quarantine_dir,
+            _quarantine_table(
+                path,
+                ["malformed CSV row"] * len(malformed),
+                [
+                    f"line {r.number}: expected {r.expected_columns} fields, got {r.actual_columns}"
+                    for r in malformed
+                ],
+                [r.text for r in malformed],
+            ),
+            name + "-malformed",
+        )
         quarantined += len(malformed)
     return FileCheck(path, rows, quarantined, readable_by_pipeline=not missing and rows > 0)
 
@@ -379,8 +449,14 @@ class RowFilter:
 
     def mask(self, table: pa.Table) -> pa.Array:
         column = table[self.column]
-        functions = {"==": pc.equal, "!=": pc.not_equal, "<": pc.less, "<=": pc.less_equal,
-                     ">": pc.greater, ">=": pc.greater_equal}
+        functions = {
+            "==": pc.equal,
+            "!=": pc.not_equal,
+            "<": pc.less,
+            "<=": pc.less_equal,
+            ">": pc.greater,
+            ">=": pc.greater_equal,
+        }
         if self.op in functions:
             return functions[self.op](column, pa.scalar(self.value, type=column.type))
         values = pa.array(list(self.value), type=column.type)
@@ -443,10 +519,15 @@ def _cast_strings(strings: pa.Array, tname: str) -> tuple[pa.Array, list[int]]:
     if tname == "timestamp":
         import pandas as pd
 
-        parsed = pd.to_datetime(pd.Series(strings.to_pandas()), format="ISO8601", utc=True,
-                                errors="coerce")
-        bad = [int(i) for i in (parsed.isna() & strings.is_valid().to_numpy(
-            zero_copy_only=False)).to_numpy().nonzero()[0]]
+        parsed = pd.to_datetime(
+            pd.Series(strings.to_pandas()), format="ISO8601", utc=True, errors="coerce"
+        )
+        bad = [
+            int(i)
+            for i in (parsed.isna() & strings.is_valid().to_numpy(zero_copy_only=False))
+            .to_numpy()
+            .nonzero()[0]
+        ]
         return pa.array(parsed, type=target, from_pandas=True), bad
     trimmed = pc.utf8_trim_whitespace(strings)
     if tname == "bool":
@@ -468,9 +549,10 @@ def _cast_strings(strings: pa.Array, tname: str) -> tuple[pa.Array, list[int]]:
     try:
         return pa.array(values, type=target), bad
     except OverflowError:  # an int64 overflow: pa.array reports it for the whole array
-        ok = [v if v is None or -2**63 <= v < 2**63 else None for v in values]
-        bad = sorted(set(bad) | {i for i, v in enumerate(values) if v is not None and ok[i]
-                                 is None})
+        ok = [v if v is None or -(2**63) <= v < 2**63 else None for v in values]
+        bad = sorted(
+            set(bad) | {i for i, v in enumerate(values) if v is not None and ok[i] is None}
+        )
         return pa.array(ok, type=target), bad
 
 
@@ -487,8 +569,9 @@ def cast_column(column: pa.Array, tname: str) -> tuple[pa.Array, list[int]]:
     return _cast_strings(column.cast(pa.string()), tname)
 
 
-def parse_json_lines(lines: pa.Array, schema: dict[str, str]
-                     ) -> tuple[pa.Table, dict[int, tuple[str, str]]]:
+def parse_json_lines(
+    lines: pa.Array, schema: dict[str, str]
+) -> tuple[pa.Table, dict[int, tuple[str, str]]]:
     """JSON lines to a table of strings per schema column (non-strings as their JSON text),
     and the lines that are not JSON objects."""
     columns: dict[str, list[str | None]] = {c: [] for c in schema}
@@ -503,22 +586,18 @@ def parse_json_lines(lines: pa.Array, schema: dict[str, str]
             row = {}
         for name, values in columns.items():
             value = row.get(name)
-            values.append(value if value is None or isinstance(value, str)
-                          else json.dumps(value))
+            values.append(value if value is None or isinstance(value, str) else json.dumps(value))
     return pa.table({c: pa.array(v, type=pa.string()) for c, v in columns.items()}), bad
 
 
-def validate(raw: pa.Table, spec: PipelineSpec, bad: dict[int, tuple[str, str]]
-             ) -> pa.Table:
+def validate(raw: pa.Table, spec: PipelineSpec, bad: dict[int, tuple[str, str]]) -> pa.Table:
     """Cast `raw` to the schema; record the first problem of each bad row in `bad`."""
     columns = {}
     for name, tname in spec.schema.items():
-        column = raw[name].combine_chunks() if isinstance(raw[name], pa.ChunkedArray) \
-            else raw[name]
+        column = raw[name].combine_chunks() if isinstance(raw[name], pa.ChunkedArray) else raw[name]
         cast, unparsable = cast_column(column, tname)
         for i in unparsable:
-            bad.setdefault(i, (f"wrong type in {name!r}",
-                               f"{column[i].as_py()!r} is not {tname}"))
+            bad.setdefault(i, (f"wrong type in {name!r}", f"{column[i].as_py()!r} is not {tname}"))
         columns[name] = cast
     typed = pa.table(columns)
     for name in spec.required:
@@ -536,8 +615,11 @@ def split_of(keys: pa.Array | pa.ChunkedArray, eval_fraction: float) -> pa.Array
     if pa.types.is_integer(keys.type):
         values = pc.fill_null(keys.cast(pa.int64()), 0).to_numpy()
     else:
-        values = pc.fill_null(pc.cast(keys, pa.string()), "").to_numpy(
-            zero_copy_only=False).astype(object)
+        values = (
+            pc.fill_null(pc.cast(keys, pa.string()), "")
+            .to_numpy(zero_copy_only=False)
+            .astype(object)
+        )
     is_eval = pd.util.hash_array(values) % SPLIT_BUCKETS < eval_fraction * SPLIT_BUCKETS
     return pc.if_else(pa.array(is_eval, pa.bool_()), "eval", "train")
 
@@ -554,8 +636,13 @@ def _to_arrow(batch: Any) -> pa.Table:
     return pa.Table.from_pandas(batch, preserve_index=False)
 
 
-def apply_transform(fn: Callable[..., Any], table: pa.Table, spec: PipelineSpec,
-                    bad: dict[int, tuple[str, str]], index: list[int]) -> list[pa.Table]:
+def apply_transform(
+    fn: Callable[..., Any],
+    table: pa.Table,
+    spec: PipelineSpec,
+    bad: dict[int, tuple[str, str]],
+    index: list[int],
+) -> list[pa.Table]:
     """Transform `table`; when it raises, bisect to the rows that make it raise and record
     them in `bad` (keyed by `index`, their rows in the batch). Returns the good outputs."""
     if table.num_rows == 0:
@@ -567,18 +654,24 @@ def apply_transform(fn: Callable[..., Any], table: pa.Table, spec: PipelineSpec,
             bad[index[0]] = (f"transform raised {type(error).__name__}", str(error)[:500])
             return []
         half = table.num_rows // 2
-        return (apply_transform(fn, table.slice(0, half), spec, bad, index[:half])
-                + apply_transform(fn, table.slice(half), spec, bad, index[half:]))
+        return apply_transform(fn, table.slice(0, half), spec, bad, index[:half]) + apply_transform(
+            fn, table.slice(half), spec, bad, index[half:]
+        )
     if out.num_rows != table.num_rows:
         raise TransformContractError(
             f"transform {spec.transform!r} returned {out.num_rows} rows for {table.num_rows}; "
-            f"a transform must return one row per input row (filter with `filters`)")
-    return [out.append_column(SPLIT_COLUMN, split_of(table[spec.split_key], spec.eval_fraction))
-            if spec.split_key else out]
+            f"a transform must return one row per input row (filter with `filters`)"
+        )
+    return [
+        out.append_column(SPLIT_COLUMN, split_of(table[spec.split_key], spec.eval_fraction))
+        if spec.split_key
+        else out
+    ]
 
 
-def prepare_batch(batch: pa.Table, spec: PipelineSpec, filesystem: pafs.FileSystem,
-                  quarantine_dir: str) -> pa.Table:
+def prepare_batch(
+    batch: pa.Table, spec: PipelineSpec, filesystem: pafs.FileSystem, quarantine_dir: str
+) -> pa.Table:
     """One Ray Data batch: parse, validate, filter, transform and split; bad rows go to a
     quarantine file, good rows come back with their split."""
     bad: dict[int, tuple[str, str]] = {}
@@ -590,23 +683,32 @@ def prepare_batch(batch: pa.Table, spec: PipelineSpec, filesystem: pafs.FileSyst
     for row_filter in spec.filters:
         mask = pc.fill_null(row_filter.mask(typed), False)
         keep = mask if keep is None else pc.and_(keep, mask)
-    positions = (list(range(typed.num_rows)) if keep is None else
-                 [int(i) for i in keep.to_numpy(zero_copy_only=False).nonzero()[0]])
+    positions = (
+        list(range(typed.num_rows))
+        if keep is None
+        else [int(i) for i in keep.to_numpy(zero_copy_only=False).nonzero()[0]]
+    )
     good = typed if keep is None else typed.take(pa.array(positions, pa.int64()))
     if spec.transform:
         outputs = apply_transform(load_transform(spec.transform), good, spec, bad, positions)
     elif good.num_rows:
-        outputs = [good.append_column(SPLIT_COLUMN, split_of(good[spec.split_key],
-                                                             spec.eval_fraction))
-                   if spec.split_key else good]
+        outputs = [
+            good.append_column(SPLIT_COLUMN, split_of(good[spec.split_key], spec.eval_fraction))
+            if spec.split_key
+            else good
+        ]
     else:
         outputs = []
     if bad:
         order = sorted(bad)
-        rows = (batch["text"].take(order).to_pylist() if spec.format == "json"
-                else [_row_json(r) for r in batch.take(order).to_pylist()])
-        table = _quarantine_table(None, [bad[i][0] for i in order],
-                                  [bad[i][1] for i in order], rows)
+        rows = (
+            batch["text"].take(order).to_pylist()
+            if spec.format == "json"
+            else [_row_json(r) for r in batch.take(order).to_pylist()]
+        )
+        table = _quarantine_table(
+            None, [bad[i][0] for i in order], [bad[i][1] for i in order], rows
+        )
         # Named by content, so a retried Ray task rewrites its file instead of adding one.
         digest = hashlib.sha256(str(batch.num_rows).encode())
         for value in rows:
@@ -636,15 +738,21 @@ def read_dataset(filesystem: pafs.FileSystem, paths: list[str], spec: PipelineSp
     import ray.data
 
     if spec.format == "parquet":
-        return ray.data.read_parquet(paths, filesystem=filesystem, columns=list(spec.schema),
-                                     partitioning=None)
+        return ray.data.read_parquet(
+            paths, filesystem=filesystem, columns=list(spec.schema), partitioning=None
+        )
     if spec.format == "csv":
         return ray.data.read_csv(
-            paths, filesystem=filesystem, partitioning=None,
+            paths,
+            filesystem=filesystem,
+            partitioning=None,
             parse_options=pacsv.ParseOptions(invalid_row_handler=_skip_malformed),
             convert_options=pacsv.ConvertOptions(
                 column_types={c: pa.string() for c in spec.schema},
-                include_columns=list(spec.schema), strings_can_be_null=True))
+                include_columns=list(spec.schema),
+                strings_can_be_null=True,
+            ),
+        )
     return ray.data.read_text(paths, filesystem=filesystem)
 
 
@@ -661,8 +769,7 @@ class StagedCounts:
 
 
 def _parquet_files(filesystem: pafs.FileSystem, directory: str) -> list[str]:
-    return sorted(i.path for i in _data_files(filesystem, directory)
-                  if i.path.endswith(".parquet"))
+    return sorted(i.path for i in _data_files(filesystem, directory) if i.path.endswith(".parquet"))
 
 
 def _rows(filesystem: pafs.FileSystem, files: list[str]) -> int:
@@ -671,41 +778,71 @@ def _rows(filesystem: pafs.FileSystem, files: list[str]) -> int:
 
 def summarize_staging(filesystem: pafs.FileSystem, staging: str) -> StagedCounts:
     """Row counts from parquet footers, and quarantine reasons by count (largest first)."""
-    counts = {split: _rows(filesystem, _parquet_files(filesystem, posixpath.join(staging, split)))
-              for split in SPLITS}
-    quarantine = pq.read_table(posixpath.join(staging, QUARANTINE_DIR), filesystem=filesystem,
-                               schema=QUARANTINE_SCHEMA)
+    counts = {
+        split: _rows(filesystem, _parquet_files(filesystem, posixpath.join(staging, split)))
+        for split in SPLITS
+    }
+    quarantine = pq.read_table(
+        posixpath.join(staging, QUARANTINE_DIR), filesystem=filesystem, schema=QUARANTINE_SCHEMA
+    )
     reasons: dict[str, int] = {}
     for reason in quarantine["reason"].to_pylist():
         reasons[reason] = reasons.get(reason, 0) + 1
     reasons = dict(sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])))
-    first = sorted(zip(quarantine["reason"].to_pylist(), quarantine["detail"].to_pylist(),
-                       quarantine["source"].to_pylist(), strict=True),
-                   key=lambda r: (r[0], r[1], r[2] or ""))
+    first = sorted(
+        zip(
+            quarantine["reason"].to_pylist(),
+            quarantine["detail"].to_pylist(),
+            quarantine["source"].to_pylist(),
+            strict=True,
+        ),
+        key=lambda r: (r[0], r[1], r[2] or ""),
+    )
     first_reasons = [f"{r}: {d}" for r, d, _ in first[:FIRST_REASONS]]
-    train_files = _parquet_files(filesystem, posixpath.join(staging, "train")) + \
-        _parquet_files(filesystem, posixpath.join(staging, "eval"))
-    schema = {} if not train_files else {
-        f.name: str(f.type) for f in pq.ParquetFile(
-            filesystem.open_input_file(train_files[0])).schema_arrow}
-    return StagedCounts(rows_train=counts["train"], rows_eval=counts["eval"],
-                        rows_quarantined=quarantine.num_rows, reasons=reasons,
-                        first_reasons=first_reasons, schema=schema)
+    train_files = _parquet_files(filesystem, posixpath.join(staging, "train")) + _parquet_files(
+        filesystem, posixpath.join(staging, "eval")
+    )
+    schema = (
+        {}
+        if not train_files
+        else {
+            f.name: str(f.type)
+            for f in pq.ParquetFile(filesystem.open_input_file(train_files[0])).schema_arrow
+        }
+    )
+    return StagedCounts(
+        rows_train=counts["train"],
+        rows_eval=counts["eval"],
+        rows_quarantined=quarantine.num_rows,
+        reasons=reasons,
+        first_reasons=first_reasons,
+        schema=schema,
+    )
 
 
-def run_pipeline(filesystem: pafs.FileSystem, paths: list[str], spec: PipelineSpec,
-                 staging: str, output_filesystem: pafs.FileSystem) -> StagedCounts:
+def run_pipeline(
+    filesystem: pafs.FileSystem,
+    paths: list[str],
+    spec: PipelineSpec,
+    staging: str,
+    output_filesystem: pafs.FileSystem,
+) -> StagedCounts:
     """Read, prepare and write the dataset into `staging` (train/, eval/, quarantine/); must
     run where Ray is initialised. Files the per-file checks rejected are left out."""
     quarantine_dir = posixpath.join(staging, QUARANTINE_DIR)
     data_dir = posixpath.join(staging, "_data")
     if paths:
         dataset = read_dataset(filesystem, paths, spec).map_batches(
-            prepare_batch, batch_format="pyarrow", zero_copy_batch=True,
-            fn_kwargs={"spec": spec, "filesystem": output_filesystem,
-                       "quarantine_dir": quarantine_dir})
-        dataset.write_parquet(data_dir, filesystem=output_filesystem,
-                              partition_cols=[SPLIT_COLUMN])
+            prepare_batch,
+            batch_format="pyarrow",
+            zero_copy_batch=True,
+            fn_kwargs={
+                "spec": spec,
+                "filesystem": output_filesystem,
+                "quarantine_dir": quarantine_dir,
+            },
+        )
+        dataset.write_parquet(data_dir, filesystem=output_filesystem, partition_cols=[SPLIT_COLUMN])
     for split in SPLITS:
         written = posixpath.join(data_dir, f"{SPLIT_COLUMN}={split}")
         target = posixpath.join(staging, split)
@@ -719,9 +856,11 @@ def run_pipeline(filesystem: pafs.FileSystem, paths: list[str], spec: PipelineSp
     if not _parquet_files(output_filesystem, quarantine_dir):
         # An empty file keeps the folder readable as a (zero-row) quarantine table.
         output_filesystem.create_dir(quarantine_dir, recursive=True)
-        pq.write_table(QUARANTINE_SCHEMA.empty_table(),
-                       posixpath.join(quarantine_dir, "empty.parquet"),
-                       filesystem=output_filesystem)
+        pq.write_table(
+            QUARANTINE_SCHEMA.empty_table(),
+            posixpath.join(quarantine_dir, "empty.parquet"),
+            filesystem=output_filesystem,
+        )
     return summarize_staging(output_filesystem, staging)
 
 
@@ -743,8 +882,9 @@ def read_manifest(filesystem: pafs.FileSystem, output: str) -> dict[str, Any] | 
         return json.loads(stream.read())
 
 
-def publish(filesystem: pafs.FileSystem, staging: str, output: str,
-            manifest: dict[str, Any]) -> None:
+def publish(
+    filesystem: pafs.FileSystem, staging: str, output: str, manifest: dict[str, Any]
+) -> None:
     """Write the manifest last, then move the staged folder into place. Readers see the old
     dataset or the new one, never a mix (one rename on a local or POSIX filesystem)."""
     with filesystem.open_output_stream(posixpath.join(staging, MANIFEST)) as out:

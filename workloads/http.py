@@ -75,9 +75,7 @@ async def request_dict(request: Any, max_body_bytes: int = MAX_BODY_BYTES) -> di
 def to_response(answer: dict[str, Any]) -> Any:
     from starlette.responses import Response
 
-    return Response(
-        content=answer["body"], status_code=answer["status"], headers=answer["headers"]
-    )
+    return Response(content=answer["body"], status_code=answer["status"], headers=answer["headers"])
 
 
 def request_id(headers: dict[str, str]) -> str:

@@ -74,45 +74,56 @@ class MLflowModelSource(BaseModel):
 
     tracking_uri: str = Field(description="MLflow tracking server, e.g. http://127.0.0.1:5000.")
     model_name: str = Field(min_length=1, description="Registered model name.")
-    version: str = Field(min_length=1,
-                         description="Model version number, or an alias such as 'champion'.")
+    version: str = Field(
+        min_length=1, description="Model version number, or an alias such as 'champion'."
+    )
 
 
 class EngineSettings(BaseModel):
     """vLLM engine settings (EngineArgs); `extra` passes any other EngineArgs field."""
 
     max_model_len: int | None = Field(
-        default=None, ge=8, description="Context length in tokens; None: the model's own.")
+        default=None, ge=8, description="Context length in tokens; None: the model's own."
+    )
     gpu_memory_utilization: float = Field(
-        default=0.9, gt=0, le=1, description="Share of GPU memory for weights and KV cache.")
+        default=0.9, gt=0, le=1, description="Share of GPU memory for weights and KV cache."
+    )
     tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per replica.")
-    enforce_eager: bool = Field(default=True,
-                                description="No CUDA graphs / torch.compile: faster start.")
+    enforce_eager: bool = Field(
+        default=True, description="No CUDA graphs / torch.compile: faster start."
+    )
     kv_cache_memory_bytes: int | None = Field(
-        default=None, ge=1 << 20,
-        description="KV cache size in bytes; overrides gpu_memory_utilization for the cache.")
+        default=None,
+        ge=1 << 20,
+        description="KV cache size in bytes; overrides gpu_memory_utilization for the cache.",
+    )
     dtype: str = Field(default="auto", description="Weights dtype: auto, float32, bfloat16...")
-    max_num_seqs: int | None = Field(default=None, ge=1,
-                                     description="Most sequences in one engine step.")
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, description="Most sequences in one engine step."
+    )
     seed: int = Field(default=0, description="Engine seed.")
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = Field(
         default=None,
-        description="None: 'uni' (in process) for one GPU or CPU, 'mp' for tensor parallel.")
-    extra: dict[str, Any] = Field(default_factory=dict,
-                                  description="More vLLM EngineArgs fields, passed as they are.")
+        description="None: 'uni' (in process) for one GPU or CPU, 'mp' for tensor parallel.",
+    )
+    extra: dict[str, Any] = Field(
+        default_factory=dict, description="More vLLM EngineArgs fields, passed as they are."
+    )
 
 
 class AutoscalingSettings(BaseModel):
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=1, ge=1)
-    target_ongoing_requests: float = Field(default=16, gt=0,
-                                           description="Ongoing requests per replica to aim at.")
+    target_ongoing_requests: float = Field(
+        default=16, gt=0, description="Ongoing requests per replica to aim at."
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingSettings:
         if self.max_replicas < self.min_replicas:
-            raise ValueError(f"max_replicas ({self.max_replicas}) is below min_replicas "
-                             f"({self.min_replicas})")
+            raise ValueError(
+                f"max_replicas ({self.max_replicas}) is below min_replicas ({self.min_replicas})"
+            )
         return self
 
 
@@ -120,32 +131,41 @@ class LLMAppArgs(BaseModel):
     """Arguments of `build_llm_app`: one LLM app serving one model version."""
 
     model: str | None = Field(
-        default=None, description="Local Hugging Face folder, readable on every replica node.")
+        default=None, description="Local Hugging Face folder, readable on every replica node."
+    )
     mlflow: MLflowModelSource | None = Field(
-        default=None, description="Or an MLflow model version whose artifacts are such a folder.")
+        default=None, description="Or an MLflow model version whose artifacts are such a folder."
+    )
     served_model_name: str | None = Field(
-        default=None, description="The `model` name clients send and see; None: from the source.")
+        default=None, description="The `model` name clients send and see; None: from the source."
+    )
     version_label: str | None = Field(
         default=None,
         description=f"Sent as {VERSION_HEADER} on every response; None: 'name/version' from "
-                    "MLflow, or the folder's name.")
+        "MLflow, or the folder's name.",
+    )
     engine: EngineSettings = Field(default_factory=EngineSettings)
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
-    max_ongoing_requests: int = Field(default=64, ge=1,
-                                      description="Requests one replica takes at once.")
+    max_ongoing_requests: int = Field(
+        default=64, ge=1, description="Requests one replica takes at once."
+    )
     ray_actor_options: dict[str, Any] = Field(
         default_factory=lambda: {"num_cpus": 1},
-        description="Ray options of each replica (num_cpus may be fractional, num_gpus...).")
+        description="Ray options of each replica (num_cpus may be fractional, num_gpus...).",
+    )
     python: str | None = Field(
         default=None,
         description="The LLM venv's python for replicas (runtime_env py_executable); None: "
-                    "$RLT_LLM_PYTHON, else this checkout's .venv-llm/bin/python.")
+        "$RLT_LLM_PYTHON, else this checkout's .venv-llm/bin/python.",
+    )
     runtime_env: dict[str, Any] = Field(
         default_factory=dict,
-        description="More runtime_env for replicas; env_vars are merged over the defaults.")
+        description="More runtime_env for replicas; env_vars are merged over the defaults.",
+    )
     route_prefix: str | None = Field(
         default=None,
-        description="HTTP route of the app; None: none (reached through the router's handle).")
+        description="HTTP route of the app; None: none (reached through the router's handle).",
+    )
     health_check_period_s: float = Field(default=10, gt=0)
     health_check_timeout_s: float = Field(default=30, gt=0)
     warmup: bool = Field(default=True, description="Generate once before taking traffic.")
@@ -153,8 +173,10 @@ class LLMAppArgs(BaseModel):
     @model_validator(mode="after")
     def _one_source(self) -> LLMAppArgs:
         if (self.model is None) == (self.mlflow is None):
-            raise ValueError("give exactly one model source: 'model' (a local folder) or "
-                             "'mlflow' ({tracking_uri, model_name, version})")
+            raise ValueError(
+                "give exactly one model source: 'model' (a local folder) or "
+                "'mlflow' ({tracking_uri, model_name, version})"
+            )
         return self
 
     def resolved_version_label(self) -> str:
@@ -187,9 +209,13 @@ def build_llm_app(args: dict | LLMAppArgs) -> serve.Application:
     """Serve application builder: `serve.run(build_llm_app({...}))`, or Serve's declarative
     config with `import_path: workloads.llm:build_llm_app` and these `args`."""
     spec = args if isinstance(args, LLMAppArgs) else LLMAppArgs.model_validate(args)
-    actor_options = {**spec.ray_actor_options,
-                     "runtime_env": {**spec.ray_actor_options.get("runtime_env", {}),
-                                     **spec.replica_runtime_env()}}
+    actor_options = {
+        **spec.ray_actor_options,
+        "runtime_env": {
+            **spec.ray_actor_options.get("runtime_env", {}),
+            **spec.replica_runtime_env(),
+        },
+    }
     scaling = spec.autoscaling
     deployment = LLMServer.options(
         ray_actor_options=actor_options,
@@ -210,18 +236,23 @@ def deploy_llm_app(args: dict | LLMAppArgs, name: str, *, blocking: bool = False
     """`serve.run` the app under `name` at its route_prefix (None: no HTTP route); returns its
     DeploymentHandle once the replicas are healthy (warm-up done)."""
     spec = args if isinstance(args, LLMAppArgs) else LLMAppArgs.model_validate(args)
-    return serve.run(build_llm_app(spec), name=name, route_prefix=spec.route_prefix,
-                     blocking=blocking)
+    return serve.run(
+        build_llm_app(spec), name=name, route_prefix=spec.route_prefix, blocking=blocking
+    )
 
 
-def llm_app_config(name: str, args: dict | LLMAppArgs,
-                   runtime_env: dict[str, Any] | None = None) -> dict[str, Any]:
+def llm_app_config(
+    name: str, args: dict | LLMAppArgs, runtime_env: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One `applications:` entry of a Serve config (REST / `serve deploy`) for this app.
     `runtime_env` is the app's own (e.g. py_modules or working_dir holding `workloads`)."""
     spec = args if isinstance(args, LLMAppArgs) else LLMAppArgs.model_validate(args)
-    entry: dict[str, Any] = {"name": name, "import_path": IMPORT_PATH,
-                             "route_prefix": spec.route_prefix,
-                             "args": spec.model_dump(mode="json")}
+    entry: dict[str, Any] = {
+        "name": name,
+        "import_path": IMPORT_PATH,
+        "route_prefix": spec.route_prefix,
+        "args": spec.model_dump(mode="json"),
+    }
     if runtime_env:
         entry["runtime_env"] = runtime_env
     return entry
@@ -234,15 +265,33 @@ def llm_app_config(name: str, args: dict | LLMAppArgs,
 class RequestError(Exception):
     """An OpenAI-style client error: status, message, the offending parameter and a code."""
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 status: int = 400, kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
-        self.message, self.param, self.code, self.status, self.kind = \
-            message, param, code, status, kind
+        self.message, self.param, self.code, self.status, self.kind = (
+            message,
+            param,
+            code,
+            status,
+            kind,
+        )
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def _number(body: dict, name: str, default, *, lo=None, hi=None, integer=False):
@@ -251,11 +300,17 @@ def _number(body: dict, name: str, default, *, lo=None, hi=None, integer=False):
         return default
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
-        raise RequestError(f"'{name}' must be {'an integer' if integer else 'a number'}, got "
-                           f"{value!r}", param=name, code="invalid_type")
+        raise RequestError(
+            f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}",
+            param=name,
+            code="invalid_type",
+        )
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise RequestError(f"'{name}' must be between {lo} and {hi}, got {value!r}",
-                           param=name, code="invalid_value")
+        raise RequestError(
+            f"'{name}' must be between {lo} and {hi}, got {value!r}",
+            param=name,
+            code="invalid_value",
+        )
     return value
 
 
@@ -275,8 +330,9 @@ class Sampling:
     ignore_eos: bool = False
 
     @classmethod
-    def from_body(cls, body: dict, default_max_tokens: int | None,
-                  max_tokens_field: str = "max_tokens") -> Sampling:
+    def from_body(
+        cls, body: dict, default_max_tokens: int | None, max_tokens_field: str = "max_tokens"
+    ) -> Sampling:
         n = _number(body, "n", 1, lo=1, integer=True)
         if n != 1:
             raise RequestError(f"'n' must be 1 here, got {n}", param="n", code="unsupported")
@@ -288,14 +344,23 @@ class Sampling:
             stop = []
         elif isinstance(stop, str):
             stop = [stop]
-        elif not (isinstance(stop, list) and len(stop) <= 4
-                  and all(isinstance(s, str) and s for s in stop)):
-            raise RequestError(f"'stop' must be a string or up to 4 strings, got {stop!r}",
-                               param="stop", code="invalid_value")
+        elif not (
+            isinstance(stop, list)
+            and len(stop) <= 4
+            and all(isinstance(s, str) and s for s in stop)
+        ):
+            raise RequestError(
+                f"'stop' must be a string or up to 4 strings, got {stop!r}",
+                param="stop",
+                code="invalid_value",
+            )
         ignore_eos = body.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
-            raise RequestError(f"'ignore_eos' must be a boolean, got {ignore_eos!r}",
-                               param="ignore_eos", code="invalid_type")
+            raise RequestError(
+                f"'ignore_eos' must be a boolean, got {ignore_eos!r}",
+                param="ignore_eos",
+                code="invalid_type",
+            )
         return cls(
             max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             temperature=_number(body, "temperature", 1.0, lo=0, hi=2),
@@ -312,28 +377,41 @@ class Sampling:
 
 def _message_text(message: Any, index: int) -> dict[str, str]:
     if not isinstance(message, dict):
-        raise RequestError(f"messages[{index}] must be an object, got {message!r}",
-                           param=f"messages[{index}]", code="invalid_type")
+        raise RequestError(
+            f"messages[{index}] must be an object, got {message!r}",
+            param=f"messages[{index}]",
+            code="invalid_type",
+        )
     role = message.get("role")
     if role not in ("system", "developer", "user", "assistant", "tool"):
-        raise RequestError(f"messages[{index}].role must be one of system, developer, user, "
-                           f"assistant, tool; got {role!r}", param=f"messages[{index}].role",
-                           code="invalid_value")
+        raise RequestError(
+            f"messages[{index}].role must be one of system, developer, user, "
+            f"assistant, tool; got {role!r}",
+            param=f"messages[{index}].role",
+            code="invalid_value",
+        )
     content = message.get("content")
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise RequestError(f"messages[{index}].content parts must be text parts, got "
-                                   f"{part!r}", param=f"messages[{index}].content",
-                                   code="unsupported")
+            if not (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
+                raise RequestError(
+                    f"messages[{index}].content parts must be text parts, got {part!r}",
+                    param=f"messages[{index}].content",
+                    code="unsupported",
+                )
             parts.append(part["text"])
         content = "".join(parts)
     if not isinstance(content, str):
-        raise RequestError(f"messages[{index}].content must be a string or text parts, got "
-                           f"{content!r}", param=f"messages[{index}].content",
-                           code="invalid_type")
+        raise RequestError(
+            f"messages[{index}].content must be a string or text parts, got {content!r}",
+            param=f"messages[{index}].content",
+            code="invalid_type",
+        )
     return {"role": role, "content": content}
 
 
@@ -367,11 +445,14 @@ class _Stats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     ttft_ms: collections.deque = field(
-        default_factory=lambda: collections.deque(maxlen=STATS_SAMPLES))
+        default_factory=lambda: collections.deque(maxlen=STATS_SAMPLES)
+    )
     latency_ms: collections.deque = field(
-        default_factory=lambda: collections.deque(maxlen=STATS_SAMPLES))
+        default_factory=lambda: collections.deque(maxlen=STATS_SAMPLES)
+    )
     tokens_per_s: collections.deque = field(
-        default_factory=lambda: collections.deque(maxlen=STATS_SAMPLES))
+        default_factory=lambda: collections.deque(maxlen=STATS_SAMPLES)
+    )
 
 
 def _percentile(samples, q: float) -> float | None:
@@ -448,8 +529,10 @@ class _EngineLoop:
             try:
                 self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
             except Exception as exc:  # a request vLLM refuses fails alone
-                self._deliver(request_id, RequestError(f"the engine refused the request: {exc}",
-                                                       code="engine_rejected"))
+                self._deliver(
+                    request_id,
+                    RequestError(f"the engine refused the request: {exc}", code="engine_rejected"),
+                )
         elif kind == "abort":
             try:
                 self.engine.abort_request([command[1]])
@@ -461,8 +544,11 @@ class _EngineLoop:
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished_requests()
                 try:
-                    command = (self.inbox.get_nowait() if busy
-                               else self.inbox.get(timeout=ENGINE_IDLE_WAIT_S))
+                    command = (
+                        self.inbox.get_nowait()
+                        if busy
+                        else self.inbox.get(timeout=ENGINE_IDLE_WAIT_S)
+                    )
                     while command is not None:
                         if command[0] == "stop":
                             return
@@ -493,8 +579,9 @@ def _download_from_mlflow(source: MLflowModelSource) -> Path:
     target = MODEL_CACHE_DIR / re.sub(r"[^A-Za-z0-9._-]", "_", source.model_name) / version.version
     if not (target / ".complete").exists():
         partial = target.with_name(f"{target.name}.{uuid.uuid4().hex[:8]}.partial")
-        download_artifacts(artifact_uri=version.source, dst_path=str(partial),
-                           tracking_uri=source.tracking_uri)
+        download_artifacts(
+            artifact_uri=version.source, dst_path=str(partial), tracking_uri=source.tracking_uri
+        )
         (partial / ".complete").touch()
         try:
             partial.rename(target)
@@ -504,8 +591,10 @@ def _download_from_mlflow(source: MLflowModelSource) -> Path:
             shutil.rmtree(partial, ignore_errors=True)
     configs = sorted(target.rglob("config.json"), key=lambda p: len(p.parts))
     if not configs:
-        raise FileNotFoundError(f"MLflow model {source.model_name} version {version.version} "
-                                f"({version.source}) holds no Hugging Face config.json")
+        raise FileNotFoundError(
+            f"MLflow model {source.model_name} version {version.version} "
+            f"({version.source}) holds no Hugging Face config.json"
+        )
     return configs[0].parent
 
 
@@ -525,8 +614,7 @@ class LLMServer:
         else:
             model_dir = Path(spec.model)
             if not (model_dir / "config.json").exists():
-                raise FileNotFoundError(f"model folder {model_dir} has no config.json on this "
-                                        f"node")
+                raise FileNotFoundError(f"model folder {model_dir} has no config.json on this node")
         engine = self._make_engine(model_dir, spec.engine, self.model_name)
         self.max_model_len = engine.model_config.max_model_len
         # A tokenizer of our own: vLLM's detokenizes on the engine thread.
@@ -538,8 +626,13 @@ class LLMServer:
         if spec.warmup:
             self._warm_up(engine)
         self.engine = _EngineLoop(engine)
-        logger.info("LLM %s (version %s) ready in %.1f s, max_model_len %d", self.model_name,
-                    self.version, time.monotonic() - started, self.max_model_len)
+        logger.info(
+            "LLM %s (version %s) ready in %.1f s, max_model_len %d",
+            self.model_name,
+            self.version,
+            time.monotonic() - started,
+            self.max_model_len,
+        )
 
     @staticmethod
     def _make_engine(model_dir: Path, settings: EngineSettings, served_name: str):
@@ -547,7 +640,8 @@ class LLMServer:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         backend = settings.distributed_executor_backend or (
-            "uni" if settings.tensor_parallel_size == 1 else "mp")
+            "uni" if settings.tensor_parallel_size == 1 else "mp"
+        )
         engine_args = {
             "model": str(model_dir),
             "served_model_name": served_name,
@@ -563,20 +657,30 @@ class LLMServer:
             **({"max_num_seqs": settings.max_num_seqs} if settings.max_num_seqs else {}),
             **settings.extra,
         }
-        return LLMEngine.from_engine_args(EngineArgs(**engine_args),
-                                          enable_multiprocessing=False)
+        return LLMEngine.from_engine_args(EngineArgs(**engine_args), enable_multiprocessing=False)
 
     def _warm_up(self, engine) -> None:
         """One chat-templated request straight on the engine, before its thread starts: the
         first request pays for lazy initialisation, not a client."""
         from vllm import SamplingParams
 
-        prompt_ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": WARMUP_PROMPT}], add_generation_prompt=True,
-            tokenize=False), add_special_tokens=False) if self.tokenizer.chat_template \
+        prompt_ids = (
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": WARMUP_PROMPT}],
+                    add_generation_prompt=True,
+                    tokenize=False,
+                ),
+                add_special_tokens=False,
+            )
+            if self.tokenizer.chat_template
             else self.tokenizer.encode(WARMUP_PROMPT)
-        engine.add_request("warmup", {"prompt_token_ids": prompt_ids},
-                           SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+        )
+        engine.add_request(
+            "warmup",
+            {"prompt_token_ids": prompt_ids},
+            SamplingParams(max_tokens=4, ignore_eos=True, temperature=0),
+        )
         deadline = time.monotonic() + self.health_timeout_s
         while engine.has_unfinished_requests():
             if time.monotonic() > deadline:
@@ -589,8 +693,9 @@ class LLMServer:
         prompt_ids = self.tokenizer.encode(WARMUP_PROMPT)
         params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
         tokens = 0
-        async for output in self.engine.generate(f"{purpose}-{uuid.uuid4().hex}", prompt_ids,
-                                                 params):
+        async for output in self.engine.generate(
+            f"{purpose}-{uuid.uuid4().hex}", prompt_ids, params
+        ):
             tokens += len(output.outputs[0].token_ids)
         if tokens != 1:
             raise RuntimeError(f"{purpose}: the engine generated {tokens} tokens, not 1")
@@ -618,22 +723,31 @@ class LLMServer:
         path = request.url.path
         root = request.scope.get("root_path", "")
         if root and path.startswith(root):
-            path = path[len(root):] or "/"
-        reply = await self._respond(request.method, path, dict(request.headers),
-                                    await request.body())
+            path = path[len(root) :] or "/"
+        reply = await self._respond(
+            request.method, path, dict(request.headers), await request.body()
+        )
         # Serve's proxy answers with X-Request-Id itself: the one it put on the request (the
         # client's, or a new one), which is the id used here.
         reply.headers.pop(REQUEST_ID_HEADER.lower(), None)
         if reply.stream is not None:
-            return StreamingResponse(reply.stream, status_code=reply.status,
-                                     headers=reply.headers, media_type="text/event-stream")
+            return StreamingResponse(
+                reply.stream,
+                status_code=reply.status,
+                headers=reply.headers,
+                media_type="text/event-stream",
+            )
         return Response(reply.body, status_code=reply.status, headers=reply.headers)
 
     async def handle_http(self, request: dict) -> dict:
         """For the router's DeploymentHandle: {"method", "path", "query", "headers", "body"}
         in, {"status", "headers", "body"} out (a streamed answer is gathered whole)."""
-        reply = await self._respond(request.get("method", "POST"), request.get("path", "/"),
-                                    request.get("headers") or {}, request.get("body") or b"")
+        reply = await self._respond(
+            request.get("method", "POST"),
+            request.get("path", "/"),
+            request.get("headers") or {},
+            request.get("body") or b"",
+        )
         body = reply.body
         if reply.stream is not None:
             body = b"".join([chunk async for chunk in reply.stream])
@@ -642,8 +756,12 @@ class LLMServer:
     async def handle_http_stream(self, request: dict):
         """Streaming twin of handle_http (call with handle.options(stream=True)): first
         {"status", "headers"}, then the body as bytes chunks (SSE for "stream": true)."""
-        reply = await self._respond(request.get("method", "POST"), request.get("path", "/"),
-                                    request.get("headers") or {}, request.get("body") or b"")
+        reply = await self._respond(
+            request.get("method", "POST"),
+            request.get("path", "/"),
+            request.get("headers") or {},
+            request.get("body") or b"",
+        )
         yield {"status": reply.status, "headers": reply.headers}
         if reply.stream is not None:
             async for chunk in reply.stream:
@@ -669,15 +787,22 @@ class LLMServer:
         }
         for name in ("ttft_ms", "latency_ms", "tokens_per_s"):
             samples = list(getattr(data, name))
-            summary[name] = {"p50": _percentile(samples, 0.5), "p99": _percentile(samples, 0.99),
-                             "count": len(samples), "samples": samples}
+            summary[name] = {
+                "p50": _percentile(samples, 0.5),
+                "p99": _percentile(samples, 0.99),
+                "count": len(samples),
+                "samples": samples,
+            }
         return summary
 
     # --- The OpenAI surface -----------------------------------------------------------------
 
     def _headers(self, request_id: str, content_type: str = "application/json") -> dict:
-        return {"content-type": content_type, VERSION_HEADER.lower(): self.version,
-                REQUEST_ID_HEADER.lower(): request_id}
+        return {
+            "content-type": content_type,
+            VERSION_HEADER.lower(): self.version,
+            REQUEST_ID_HEADER.lower(): request_id,
+        }
 
     def _error(self, error: RequestError, request_id: str) -> Reply:
         if error.status >= 500:
@@ -693,9 +818,24 @@ class LLMServer:
         path = "/" + path.strip("/")
         try:
             if path.endswith("/v1/models") or path.endswith("/models"):
-                return Reply(200, self._headers(request_id), _json({"object": "list", "data": [
-                    {"id": self.model_name, "object": "model", "owned_by": "prefect-ray-lifecycle",
-                     "max_model_len": self.max_model_len, "version": self.version}]}))
+                return Reply(
+                    200,
+                    self._headers(request_id),
+                    _json(
+                        {
+                            "object": "list",
+                            "data": [
+                                {
+                                    "id": self.model_name,
+                                    "object": "model",
+                                    "owned_by": "prefect-ray-lifecycle",
+                                    "max_model_len": self.max_model_len,
+                                    "version": self.version,
+                                }
+                            ],
+                        }
+                    ),
+                )
             if path.endswith("/health"):
                 if not self.engine.alive():
                     raise RequestError("engine is down", status=503, kind="server_error")
@@ -705,11 +845,15 @@ class LLMServer:
             elif path.endswith("/completions"):
                 chat = False
             else:
-                raise RequestError(f"no route {path!r}: use /v1/completions or "
-                                   f"/v1/chat/completions", status=404, code="not_found")
+                raise RequestError(
+                    f"no route {path!r}: use /v1/completions or /v1/chat/completions",
+                    status=404,
+                    code="not_found",
+                )
             if method.upper() != "POST":
-                raise RequestError(f"{path} takes POST, not {method}", status=405,
-                                   code="method_not_allowed")
+                raise RequestError(
+                    f"{path} takes POST, not {method}", status=405, code="method_not_allowed"
+                )
             self.stats_data.requests += 1
             payload = self._parse(body)
             return await self._complete(payload, chat, request_id)
@@ -717,53 +861,75 @@ class LLMServer:
             return self._error(error, request_id)
         except Exception as exc:
             logger.exception("request %s failed", request_id)
-            return self._error(RequestError(f"internal error: {exc}", status=500,
-                                            kind="server_error", code="internal_error"),
-                               request_id)
+            return self._error(
+                RequestError(
+                    f"internal error: {exc}", status=500, kind="server_error", code="internal_error"
+                ),
+                request_id,
+            )
 
     @staticmethod
     def _parse(body: bytes) -> dict:
         try:
             payload = json.loads(body or b"")
         except (ValueError, UnicodeDecodeError) as exc:
-            raise RequestError(f"the body is not valid JSON: {exc}", code="invalid_json") \
-                from None
+            raise RequestError(f"the body is not valid JSON: {exc}", code="invalid_json") from None
         if not isinstance(payload, dict):
-            raise RequestError(f"the body must be a JSON object, got {type(payload).__name__}",
-                               code="invalid_json")
+            raise RequestError(
+                f"the body must be a JSON object, got {type(payload).__name__}", code="invalid_json"
+            )
         return payload
 
     def _prompt_ids(self, payload: dict, chat: bool) -> list[int]:
         if chat:
             messages = payload.get("messages")
             if not isinstance(messages, list) or not messages:
-                raise RequestError("'messages' is required: a non-empty list of {role, content}",
-                                   param="messages", code="missing_required_parameter")
+                raise RequestError(
+                    "'messages' is required: a non-empty list of {role, content}",
+                    param="messages",
+                    code="missing_required_parameter",
+                )
             turns = [_message_text(m, i) for i, m in enumerate(messages)]
             if not self.tokenizer.chat_template:
-                raise RequestError(f"{self.model_name} has no chat template: use "
-                                   f"/v1/completions", param="messages", code="unsupported")
-            text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True,
-                                                      tokenize=False)
+                raise RequestError(
+                    f"{self.model_name} has no chat template: use /v1/completions",
+                    param="messages",
+                    code="unsupported",
+                )
+            text = self.tokenizer.apply_chat_template(
+                turns, add_generation_prompt=True, tokenize=False
+            )
             return self.tokenizer.encode(text, add_special_tokens=False)
         prompt = payload.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
             return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             vocab = len(self.tokenizer)
             if any(not 0 <= t < vocab for t in prompt):
-                raise RequestError(f"'prompt' token ids must lie in [0, {vocab})",
-                                   param="prompt", code="invalid_value")
+                raise RequestError(
+                    f"'prompt' token ids must lie in [0, {vocab})",
+                    param="prompt",
+                    code="invalid_value",
+                )
             return prompt
         if prompt is None or prompt == "" or prompt == []:
-            raise RequestError("'prompt' is required: a non-empty string or token ids",
-                               param="prompt", code="missing_required_parameter")
-        raise RequestError(f"'prompt' must be one string or one list of token ids (no batches "
-                           f"here), got {type(prompt).__name__}", param="prompt",
-                           code="invalid_type")
+            raise RequestError(
+                "'prompt' is required: a non-empty string or token ids",
+                param="prompt",
+                code="missing_required_parameter",
+            )
+        raise RequestError(
+            f"'prompt' must be one string or one list of token ids (no batches "
+            f"here), got {type(prompt).__name__}",
+            param="prompt",
+            code="invalid_type",
+        )
 
     async def _complete(self, payload: dict, chat: bool, request_id: str) -> Reply:
         from vllm import SamplingParams
@@ -771,51 +937,73 @@ class LLMServer:
 
         model = payload.get("model")
         if model is not None and model != self.model_name:
-            raise RequestError(f"the model {model!r} does not exist here; this app serves "
-                               f"{self.model_name!r}", param="model", code="model_not_found",
-                               status=404)
+            raise RequestError(
+                f"the model {model!r} does not exist here; this app serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+                status=404,
+            )
         stream = payload.get("stream", False)
         if not isinstance(stream, bool):
-            raise RequestError(f"'stream' must be a boolean, got {stream!r}", param="stream",
-                               code="invalid_type")
+            raise RequestError(
+                f"'stream' must be a boolean, got {stream!r}", param="stream", code="invalid_type"
+            )
         include_usage = bool((payload.get("stream_options") or {}).get("include_usage"))
         sampling = Sampling.from_body(
-            payload, None if chat else DEFAULT_COMPLETION_MAX_TOKENS,
-            "max_completion_tokens" if chat else "max_tokens")
+            payload,
+            None if chat else DEFAULT_COMPLETION_MAX_TOKENS,
+            "max_completion_tokens" if chat else "max_tokens",
+        )
         prompt_ids = self._prompt_ids(payload, chat)
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise RequestError(
                 f"the prompt is {len(prompt_ids)} tokens; this model's maximum context length "
                 f"is {self.max_model_len} tokens, which leaves no room to generate",
-                param="messages" if chat else "prompt", code="context_length_exceeded")
+                param="messages" if chat else "prompt",
+                code="context_length_exceeded",
+            )
         max_tokens = sampling.max_tokens if sampling.max_tokens is not None else room
         if max_tokens > room:
             raise RequestError(
                 f"'max_tokens' is too large: {max_tokens}. This model's maximum context length "
                 f"is {self.max_model_len} tokens and your request has {len(prompt_ids)} input "
                 f"tokens ({max_tokens} > {self.max_model_len} - {len(prompt_ids)})",
-                param="max_tokens", code="context_length_exceeded")
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k, seed=sampling.seed, stop=sampling.stop or None,
+            max_tokens=max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=sampling.seed,
+            stop=sampling.stop or None,
             presence_penalty=sampling.presence_penalty,
             frequency_penalty=sampling.frequency_penalty,
-            min_tokens=min(sampling.min_tokens, max_tokens), ignore_eos=sampling.ignore_eos,
+            min_tokens=min(sampling.min_tokens, max_tokens),
+            ignore_eos=sampling.ignore_eos,
             # Deltas for whole answers too: time to first token is measured either way.
-            output_kind=RequestOutputKind.DELTA)
+            output_kind=RequestOutputKind.DELTA,
+        )
         call = _Call(self, request_id, chat, prompt_ids, params, include_usage)
         if stream:
-            return Reply(200, self._headers(request_id, "text/event-stream"),
-                         stream=call.sse())
+            return Reply(200, self._headers(request_id, "text/event-stream"), stream=call.sse())
         return Reply(200, self._headers(request_id), _json(await call.whole()))
 
 
 class _Call:
     """One completion request through the engine, as one JSON body or as SSE chunks."""
 
-    def __init__(self, server: LLMServer, request_id: str, chat: bool, prompt_ids: list[int],
-                 params, include_usage: bool):
+    def __init__(
+        self,
+        server: LLMServer,
+        request_id: str,
+        chat: bool,
+        prompt_ids: list[int],
+        params,
+        include_usage: bool,
+    ):
         self.server, self.request_id, self.chat = server, request_id, chat
         self.prompt_ids, self.params, self.include_usage = prompt_ids, params, include_usage
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
@@ -825,14 +1013,23 @@ class _Call:
         self.completion_tokens = 0
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
-        kind = ("chat.completion" if self.chat else "text_completion") + \
-            (".chunk" if chunk and self.chat else "")
-        return {"id": self.id, "object": kind, "created": self.created,
-                "model": self.server.model_name, "system_fingerprint": self.server.version}
+        kind = ("chat.completion" if self.chat else "text_completion") + (
+            ".chunk" if chunk and self.chat else ""
+        )
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.server.model_name,
+            "system_fingerprint": self.server.version,
+        }
 
     def _usage(self) -> dict[str, int]:
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": self.completion_tokens,
-                "total_tokens": len(self.prompt_ids) + self.completion_tokens}
+        return {
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": len(self.prompt_ids) + self.completion_tokens,
+        }
 
     async def _outputs(self):
         engine_id = f"{self.request_id}-{uuid.uuid4().hex[:8]}"
@@ -863,8 +1060,9 @@ class _Call:
         except RequestError:
             raise
         except Exception as exc:
-            raise RequestError(f"generation failed: {exc}", status=500, kind="server_error",
-                               code="engine_error") from exc
+            raise RequestError(
+                f"generation failed: {exc}", status=500, kind="server_error", code="engine_error"
+            ) from exc
         self._record()
         text = "".join(texts)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
@@ -874,8 +1072,9 @@ class _Call:
             choice["text"] = text
         return {**self._envelope(chunk=False), "choices": [choice], "usage": self._usage()}
 
-    def _chunk(self, delta_text: str | None, finish_reason: str | None,
-               role: bool = False) -> dict[str, Any]:
+    def _chunk(
+        self, delta_text: str | None, finish_reason: str | None, role: bool = False
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -898,12 +1097,18 @@ class _Call:
                     yield _sse(self._chunk(completion.text, completion.finish_reason))
             self._record()
             if self.include_usage:
-                yield _sse({**self._envelope(chunk=True), "choices": [],
-                            "usage": self._usage()})
+                yield _sse({**self._envelope(chunk=True), "choices": [], "usage": self._usage()})
         except Exception as exc:
-            error = exc if isinstance(exc, RequestError) else RequestError(
-                f"generation failed: {exc}", status=500, kind="server_error",
-                code="engine_error")
+            error = (
+                exc
+                if isinstance(exc, RequestError)
+                else RequestError(
+                    f"generation failed: {exc}",
+                    status=500,
+                    kind="server_error",
+                    code="engine_error",
+                )
+            )
             if error.status >= 500:
                 self.server.stats_data.errors += 1
             else:

@@ -16,8 +16,9 @@ from workloads.rllib import load_policy, module_path
 ARTIFACT_KEY = "policy_checkpoint"
 
 
-def copy_module_only(checkpoint: str | Path, target: str | Path,
-                     module_id: str = "default_policy") -> Path:
+def copy_module_only(
+    checkpoint: str | Path, target: str | Path, module_id: str = "default_policy"
+) -> Path:
     """Copy just the RLModule of an Algorithm checkpoint (no optimizer or env-runner state)
     into `target`, keeping the checkpoint's layout; returns `target`."""
     source = module_path(checkpoint, module_id)

@@ -46,16 +46,22 @@ def decide_promotion(challenger: Score, champion: Score | None, margin: float) -
     if margin < 0:
         raise ValueError(f"margin must be >= 0, got {margin}")
     if champion is None:
-        return Verdict(True, f"no champion yet; challenger v{challenger.version} scores "
-                             f"{challenger.mean_return:.2f}")
+        return Verdict(
+            True,
+            f"no champion yet; challenger v{challenger.version} scores "
+            f"{challenger.mean_return:.2f}",
+        )
     if champion.protocol != challenger.protocol:
         raise ValueError(
             f"champion v{champion.version} and challenger v{challenger.version} were scored "
             f"under different protocols ({champion.protocol} vs {challenger.protocol}); "
-            f"score both under one protocol first")
+            f"score both under one protocol first"
+        )
     gain = challenger.mean_return - champion.mean_return
-    comparison = (f"challenger v{challenger.version} {challenger.mean_return:.2f} vs champion "
-                  f"v{champion.version} {champion.mean_return:.2f} (margin {margin:g})")
+    comparison = (
+        f"challenger v{challenger.version} {challenger.mean_return:.2f} vs champion "
+        f"v{champion.version} {champion.mean_return:.2f} (margin {margin:g})"
+    )
     if gain > margin:
         return Verdict(True, f"better by {gain:.2f}: {comparison}")
     return Verdict(False, f"not better by more than the margin: {comparison}")

@@ -41,7 +41,8 @@ def validate_model_name(name: str) -> str:
     if not _NAME.match(name or ""):
         raise RegistrationError(
             f"model name {name!r} is not a valid registered model name: use letters, digits, "
-            f"'_', '.', '-' (starting with a letter or digit, at most 255 characters)")
+            f"'_', '.', '-' (starting with a letter or digit, at most 255 characters)"
+        )
     return name
 
 
@@ -58,7 +59,8 @@ def _is_missing(error: MlflowException) -> bool:
 def find_version(client: MlflowClient, name: str, key: str) -> ModelVersion | None:
     try:
         found = client.search_model_versions(
-            f"name = '{name}' and tags.`{TRIAL_KEY_TAG}` = '{key}'")
+            f"name = '{name}' and tags.`{TRIAL_KEY_TAG}` = '{key}'"
+        )
     except MlflowException as error:
         if _is_missing(error):
             return None
@@ -74,10 +76,13 @@ def ensure_model(client: MlflowClient, name: str, create: bool) -> None:
             raise
         if not create:
             raise RegistrationError(
-                f"registered model {name!r} does not exist (create_model is off)") from error
+                f"registered model {name!r} does not exist (create_model is off)"
+            ) from error
         try:
-            client.create_registered_model(name, description="RLlib policies registered by "
-                                           "prefect-ray-lifecycle from Tune sweeps.")
+            client.create_registered_model(
+                name,
+                description="RLlib policies registered by prefect-ray-lifecycle from Tune sweeps.",
+            )
         except MlflowException as race:
             if race.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
@@ -98,20 +103,30 @@ def alias_history(client: MlflowClient, name: str, alias: str) -> list[dict[str,
     return json.loads(tags.get(f"{TAG}.alias_history.{alias}", "[]"))
 
 
-def move_alias(client: MlflowClient, name: str, alias: str, version: str, *,
-               reason: str, actor: str = "") -> str | None:
+def move_alias(
+    client: MlflowClient, name: str, alias: str, version: str, *, reason: str, actor: str = ""
+) -> str | None:
     """Point `alias` at `version`, record the move in the alias's history and the previous
     holder on the version; returns the previous version (None if the alias was unset)."""
     previous = resolve_alias(client, name, alias)
     previous_version = previous.version if previous else None
     client.set_registered_model_alias(name, alias, version)
     history = alias_history(client, name, alias)
-    history.append({"version": str(version), "previous": previous_version, "reason": reason,
-                    "by": actor, "at": datetime.now(UTC).isoformat(timespec="seconds")})
-    client.set_registered_model_tag(name, f"{TAG}.alias_history.{alias}",
-                                    json.dumps(history[-HISTORY_LIMIT:]))
-    client.set_model_version_tag(name, version, f"{TAG}.previous_{alias}",
-                                 previous_version or "none")
+    history.append(
+        {
+            "version": str(version),
+            "previous": previous_version,
+            "reason": reason,
+            "by": actor,
+            "at": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
+    )
+    client.set_registered_model_tag(
+        name, f"{TAG}.alias_history.{alias}", json.dumps(history[-HISTORY_LIMIT:])
+    )
+    client.set_model_version_tag(
+        name, version, f"{TAG}.previous_{alias}", previous_version or "none"
+    )
     return previous_version
 
 
@@ -123,8 +138,9 @@ def remove_alias(client: MlflowClient, name: str, alias: str) -> None:
             raise
 
 
-def tag_verdict(client: MlflowClient, name: str, version: str, stage: str,
-                verdict: Mapping[str, Any]) -> None:
+def tag_verdict(
+    client: MlflowClient, name: str, version: str, stage: str, verdict: Mapping[str, Any]
+) -> None:
     """Record a gate's verdict on a version: `lifecycle.<stage>.<key>` tags."""
     for key, value in verdict.items():
         text = value if isinstance(value, str) else json.dumps(value)
@@ -140,8 +156,10 @@ def check_checkpoint(checkpoint: str) -> None:
     try:
         load_policy(checkpoint)
     except Exception as error:  # corrupt or foreign: say so before anything is written
-        raise RegistrationError(f"checkpoint {checkpoint!r} does not load as an RLModule: "
-                                f"{type(error).__name__}: {error}") from error
+        raise RegistrationError(
+            f"checkpoint {checkpoint!r} does not load as an RLModule: "
+            f"{type(error).__name__}: {error}"
+        ) from error
 
 
 @dataclass(frozen=True)
@@ -184,13 +202,21 @@ def register_checkpoint(
         return Registration(name, existing.version, existing.run_id, existing.source, False)
 
     experiment = client.get_experiment_by_name(experiment_name)
-    experiment_id = (experiment.experiment_id if experiment
-                     else client.create_experiment(experiment_name))
-    runs = client.search_runs([experiment_id],
-                              f"tags.`{TRIAL_KEY_TAG}` = '{trial_key_value}'", max_results=1)
-    run = runs[0] if runs else client.create_run(
-        experiment_id, run_name=f"{name}-{trial_key_value[:8]}",
-        tags={**tags, TRIAL_KEY_TAG: trial_key_value})
+    experiment_id = (
+        experiment.experiment_id if experiment else client.create_experiment(experiment_name)
+    )
+    runs = client.search_runs(
+        [experiment_id], f"tags.`{TRIAL_KEY_TAG}` = '{trial_key_value}'", max_results=1
+    )
+    run = (
+        runs[0]
+        if runs
+        else client.create_run(
+            experiment_id,
+            run_name=f"{name}-{trial_key_value[:8]}",
+            tags={**tags, TRIAL_KEY_TAG: trial_key_value},
+        )
+    )
     run_id = run.info.run_id
     model_uri = run.data.tags.get(f"{TAG}.model_uri") if runs else None
 
@@ -202,8 +228,11 @@ def register_checkpoint(
         for file_name, content in artifacts.items():
             with tempfile.TemporaryDirectory() as folder:
                 path = Path(folder) / file_name
-                path.write_text(content if isinstance(content, str)
-                                else json.dumps(content, indent=1, default=str))
+                path.write_text(
+                    content
+                    if isinstance(content, str)
+                    else json.dumps(content, indent=1, default=str)
+                )
                 client.log_artifact(run_id, str(path))
         example = np.zeros((2, observation_size), dtype=np.float32)
         with tempfile.TemporaryDirectory() as folder:
@@ -221,15 +250,20 @@ def register_checkpoint(
                 input_example=example,
                 pip_requirements=_requirements(),
             )
-            client.log_artifacts(run_id, str(Path(folder) / MODEL_ARTIFACT_PATH),
-                                 MODEL_ARTIFACT_PATH)
+            client.log_artifacts(
+                run_id, str(Path(folder) / MODEL_ARTIFACT_PATH), MODEL_ARTIFACT_PATH
+            )
         model_uri = f"runs:/{run_id}/{MODEL_ARTIFACT_PATH}"
         client.set_tag(run_id, f"{TAG}.model_uri", model_uri)
         client.set_terminated(run_id)
 
     version = client.create_model_version(
-        name, source=model_uri, run_id=run_id, description=description,
-        tags={**tags, TRIAL_KEY_TAG: trial_key_value})
+        name,
+        source=model_uri,
+        run_id=run_id,
+        description=description,
+        tags={**tags, TRIAL_KEY_TAG: trial_key_value},
+    )
     _wait_ready(client, name, version.version)
     return Registration(name, version.version, run_id, model_uri, True)
 
@@ -242,8 +276,13 @@ class _Context:
 def _requirements() -> list[str]:
     from importlib.metadata import version
 
-    return [f"mlflow=={version('mlflow')}", f"ray[rllib]=={version('ray')}",
-            f"torch=={version('torch')}", f"gymnasium=={version('gymnasium')}", "numpy"]
+    return [
+        f"mlflow=={version('mlflow')}",
+        f"ray[rllib]=={version('ray')}",
+        f"torch=={version('torch')}",
+        f"gymnasium=={version('gymnasium')}",
+        "numpy",
+    ]
 
 
 def _wait_ready(client: MlflowClient, name: str, version: str, timeout: float = 60) -> None:

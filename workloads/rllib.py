@@ -25,11 +25,15 @@ EVAL_SEED_OFFSET = 1_000_000
 
 # --- environments ---------------------------------------------------------------------------
 
+
 def _import_creator(environment: str) -> Callable[[Mapping[str, Any]], Any] | None:
     """The `module:function` env creator named by `environment`, or None for a Gymnasium id."""
     module_name, sep, attr = environment.rpartition(":")
-    if not sep or not attr.isidentifier() or not all(
-            part.isidentifier() for part in module_name.split(".")):
+    if (
+        not sep
+        or not attr.isidentifier()
+        or not all(part.isidentifier() for part in module_name.split("."))
+    ):
         return None
     try:
         module = importlib.import_module(module_name)
@@ -70,12 +74,15 @@ def register_environment(environment: str) -> str:
     try:
         gym.spec(environment)
     except Exception as error:  # gymnasium raises several error types for unknown ids
-        raise ValueError(f"environment {environment!r} is neither a registered Gymnasium id "
-                         f"nor an importable 'module:function' env creator ({error})") from None
+        raise ValueError(
+            f"environment {environment!r} is neither a registered Gymnasium id "
+            f"nor an importable 'module:function' env creator ({error})"
+        ) from None
     return environment
 
 
 # --- a fault-injecting env for drills and tests ------------------------------------------------
+
 
 def flaky_cartpole(env_config: Mapping[str, Any]):
     """CartPole whose first `failures` creations raise: proves trial retries (max_failures).
@@ -94,13 +101,16 @@ def flaky_cartpole(env_config: Mapping[str, Any]):
 
 # --- algorithm config and search space -------------------------------------------------------
 
+
 def algorithm_class(algorithm: str):
     """The RLlib Algorithm class for a registered name such as 'PPO'."""
     from ray.rllib.algorithms.registry import ALGORITHMS
 
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm {algorithm!r} is not an RLlib algorithm; "
-                         f"known: {', '.join(sorted(ALGORITHMS))}")
+        raise ValueError(
+            f"algorithm {algorithm!r} is not an RLlib algorithm; "
+            f"known: {', '.join(sorted(ALGORITHMS))}"
+        )
     return ALGORITHMS[algorithm]()[0]
 
 
@@ -127,8 +137,14 @@ def param_space(config, search_space: Mapping[str, Any]) -> dict[str, Any]:
     return {**space, **search_space}
 
 
-def build_config(algorithm: str, env_name: str, env_config: Mapping[str, Any],
-                 resources: TrialResources, seed: int, fixed: Mapping[str, Any]):
+def build_config(
+    algorithm: str,
+    env_name: str,
+    env_config: Mapping[str, Any],
+    resources: TrialResources,
+    seed: int,
+    fixed: Mapping[str, Any],
+):
     """The algorithm's config with its env, resources, seed and fixed hyperparameters.
 
     Every env runner's envs, and torch, are seeded from `seed` (RLlib adds the env runner's
@@ -137,23 +153,29 @@ def build_config(algorithm: str, env_name: str, env_config: Mapping[str, Any],
     unknown = sorted(set(fixed) - config_fields(config))
     if unknown:
         raise ValueError(f"fixed hyperparameter {unknown[0]!r} is not a {algorithm} config field")
-    config = (config.environment(env_name, env_config=dict(env_config))
-              .env_runners(num_env_runners=resources.env_runners,
-                           num_cpus_per_env_runner=resources.cpus_per_env_runner)
-              .learners(num_learners=0, num_gpus_per_learner=resources.gpus)
-              .resources(num_cpus_for_main_process=resources.cpus)
-              .debugging(seed=seed))
+    config = (
+        config.environment(env_name, env_config=dict(env_config))
+        .env_runners(
+            num_env_runners=resources.env_runners,
+            num_cpus_per_env_runner=resources.cpus_per_env_runner,
+        )
+        .learners(num_learners=0, num_gpus_per_learner=resources.gpus)
+        .resources(num_cpus_for_main_process=resources.cpus)
+        .debugging(seed=seed)
+    )
     config.update_from_dict(dict(fixed))
     return config
 
 
 def _numbers(key: str, kind: str, args: Any, integers: bool = False) -> tuple[float, float]:
     kinds = (int,) if integers else (int, float)
-    if (not isinstance(args, list | tuple) or len(args) != 2
-            or not all(isinstance(a, kinds) and not isinstance(a, bool) for a in args)):
+    if (
+        not isinstance(args, list | tuple)
+        or len(args) != 2
+        or not all(isinstance(a, kinds) and not isinstance(a, bool) for a in args)
+    ):
         what = "integers" if integers else "numbers"
-        raise ValueError(f"search space key {key!r}: {kind} takes [low, high] {what}, "
-                         f"got {args!r}")
+        raise ValueError(f"search space key {key!r}: {kind} takes [low, high] {what}, got {args!r}")
     low, high = args
     if not low < high:
         raise ValueError(f"search space key {key!r}: {kind} needs low < high, got {args!r}")
@@ -174,26 +196,31 @@ def parse_search_space(spec: Mapping[str, Any], allowed: set[str] | None = None)
         if allowed is not None and key not in allowed:
             raise ValueError(f"search space key {key!r} is not a config field of the algorithm")
         if not isinstance(entry, Mapping) or len(entry) != 1:
-            raise ValueError(f"search space key {key!r}: expected one of "
-                             f"{{kind: args}} with kind in {SEARCH_SPACE_KINDS}, got {entry!r}")
+            raise ValueError(
+                f"search space key {key!r}: expected one of "
+                f"{{kind: args}} with kind in {SEARCH_SPACE_KINDS}, got {entry!r}"
+            )
         ((kind, args),) = entry.items()
         if kind in ("uniform", "loguniform"):
             low, high = _numbers(key, kind, args)
             if kind == "loguniform" and low <= 0:
-                raise ValueError(f"search space key {key!r}: loguniform needs low > 0, "
-                                 f"got {args!r}")
+                raise ValueError(
+                    f"search space key {key!r}: loguniform needs low > 0, got {args!r}"
+                )
             space[key] = (tune.uniform if kind == "uniform" else tune.loguniform)(low, high)
         elif kind == "randint":
             low, high = _numbers(key, kind, args, integers=True)
             space[key] = tune.randint(int(low), int(high))  # high is exclusive, as in Tune
         elif kind in ("choice", "grid"):
             if not isinstance(args, list | tuple) or not args:
-                raise ValueError(f"search space key {key!r}: {kind} takes a non-empty list, "
-                                 f"got {args!r}")
+                raise ValueError(
+                    f"search space key {key!r}: {kind} takes a non-empty list, got {args!r}"
+                )
             space[key] = (tune.choice if kind == "choice" else tune.grid_search)(list(args))
         else:
-            raise ValueError(f"search space key {key!r}: unknown kind {kind!r}; "
-                             f"use one of {SEARCH_SPACE_KINDS}")
+            raise ValueError(
+                f"search space key {key!r}: unknown kind {kind!r}; use one of {SEARCH_SPACE_KINDS}"
+            )
     return space
 
 
@@ -203,21 +230,26 @@ def resource_request(config) -> dict[str, float]:
     return {name: amount for name, amount in request.items() if amount}
 
 
-def unschedulable_reason(request: Mapping[str, float],
-                         available: Mapping[str, float]) -> str | None:
+def unschedulable_reason(
+    request: Mapping[str, float], available: Mapping[str, float]
+) -> str | None:
     """Why a trial asking `request` can never start on a cluster with `available` in total,
     or None when it fits. A pure verdict: Tune would leave such a trial PENDING for ever."""
-    missing = {name: amount for name, amount in request.items()
-               if available.get(name, 0) + 1e-9 < amount}
+    missing = {
+        name: amount for name, amount in request.items() if available.get(name, 0) + 1e-9 < amount
+    }
     if not missing:
         return None
     asked = ", ".join(f"{name}={amount:g}" for name, amount in sorted(request.items()))
     has = ", ".join(f"{name}={available.get(name, 0):g}" for name in sorted(missing))
-    return (f"one trial asks for {asked}, but the whole Ray cluster has {has}: "
-            f"its trials would stay PENDING for ever")
+    return (
+        f"one trial asks for {asked}, but the whole Ray cluster has {has}: "
+        f"its trials would stay PENDING for ever"
+    )
 
 
 # --- evaluation ------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Evaluation:
@@ -234,8 +266,13 @@ def module_path(checkpoint: str | Path, module_id: str = "default_policy") -> Pa
     """Where an Algorithm checkpoint keeps one RLModule's own checkpoint."""
     from ray.rllib.core import COMPONENT_LEARNER, COMPONENT_LEARNER_GROUP, COMPONENT_RL_MODULE
 
-    path = (Path(checkpoint) / COMPONENT_LEARNER_GROUP / COMPONENT_LEARNER / COMPONENT_RL_MODULE
-            / module_id)
+    path = (
+        Path(checkpoint)
+        / COMPONENT_LEARNER_GROUP
+        / COMPONENT_LEARNER
+        / COMPONENT_RL_MODULE
+        / module_id
+    )
     if not path.is_dir():
         raise FileNotFoundError(f"{checkpoint} holds no RLModule {module_id!r} (looked in {path})")
     return path
@@ -261,9 +298,14 @@ def greedy_action(module, obs) -> Any:
     return dist.to_deterministic().sample()[0].numpy()
 
 
-def evaluate_checkpoint(checkpoint: str | Path, environment: str,
-                        env_config: Mapping[str, Any] | None = None, episodes: int = 10,
-                        seed: int = 0, max_steps: int = 10_000) -> Evaluation:
+def evaluate_checkpoint(
+    checkpoint: str | Path,
+    environment: str,
+    env_config: Mapping[str, Any] | None = None,
+    episodes: int = 10,
+    seed: int = 0,
+    max_steps: int = 10_000,
+) -> Evaluation:
     """Load only the RLModule from `checkpoint` and run greedy episodes on held-out seeds."""
     if episodes < 1:
         raise ValueError(f"episodes must be at least 1, got {episodes}")
@@ -285,5 +327,6 @@ def evaluate_checkpoint(checkpoint: str | Path, environment: str,
         env.close()
     mean = sum(returns) / len(returns)
     std = math.sqrt(sum((r - mean) ** 2 for r in returns) / len(returns))
-    return Evaluation(episodes=episodes, mean_return=mean, std_return=std, returns=returns,
-                      seeds=seeds)
+    return Evaluation(
+        episodes=episodes, mean_return=mean, std_return=std, returns=returns, seeds=seeds
+    )

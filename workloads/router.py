@@ -67,12 +67,20 @@ class Target:
         model = value.get("model")
         if model is not None:
             ModelSpec.parse(model)
-        return cls(str(value["version"]), str(value["app"]),
-                   str(value.get("deployment") or POLICY_DEPLOYMENT), model)
+        return cls(
+            str(value["version"]),
+            str(value["app"]),
+            str(value.get("deployment") or POLICY_DEPLOYMENT),
+            model,
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "app": self.app, "deployment": self.deployment,
-                "model": self.model}
+        return {
+            "version": self.version,
+            "app": self.app,
+            "deployment": self.deployment,
+            "model": self.model,
+        }
 
 
 @dataclass(frozen=True)
@@ -87,17 +95,28 @@ class RouterConfig:
     @classmethod
     def parse(cls, value: dict[str, Any] | None) -> RouterConfig:
         value = dict(value or {})
-        unknown = set(value) - {"live", "candidate", "candidate_weight", "inline_live",
-                                "timeout_s", "generation"}
+        unknown = set(value) - {
+            "live",
+            "candidate",
+            "candidate_weight",
+            "inline_live",
+            "timeout_s",
+            "generation",
+        }
         if unknown:
             raise ValueError(f"unknown router config fields {sorted(unknown)}")
-        config = cls(Target.parse(value.get("live")), Target.parse(value.get("candidate")),
-                     float(value.get("candidate_weight", 0.0)),
-                     bool(value.get("inline_live", False)),
-                     float(value.get("timeout_s", 10.0)), int(value.get("generation", 0)))
+        config = cls(
+            Target.parse(value.get("live")),
+            Target.parse(value.get("candidate")),
+            float(value.get("candidate_weight", 0.0)),
+            bool(value.get("inline_live", False)),
+            float(value.get("timeout_s", 10.0)),
+            int(value.get("generation", 0)),
+        )
         if not 0.0 <= config.candidate_weight <= 1.0:
-            raise ValueError(f"candidate_weight must be within [0, 1], got "
-                             f"{config.candidate_weight}")
+            raise ValueError(
+                f"candidate_weight must be within [0, 1], got {config.candidate_weight}"
+            )
         if config.candidate_weight and config.candidate is None:
             raise ValueError("candidate_weight is set but there is no candidate")
         if config.timeout_s <= 0:
@@ -107,10 +126,14 @@ class RouterConfig:
         return config
 
     def as_dict(self) -> dict[str, Any]:
-        return {"live": self.live and self.live.as_dict(),
-                "candidate": self.candidate and self.candidate.as_dict(),
-                "candidate_weight": self.candidate_weight, "inline_live": self.inline_live,
-                "timeout_s": self.timeout_s, "generation": self.generation}
+        return {
+            "live": self.live and self.live.as_dict(),
+            "candidate": self.candidate and self.candidate.as_dict(),
+            "candidate_weight": self.candidate_weight,
+            "inline_live": self.inline_live,
+            "timeout_s": self.timeout_s,
+            "generation": self.generation,
+        }
 
 
 def stats_actor_name(route: str) -> str:
@@ -141,8 +164,10 @@ class RouteStats:
                 g[0] += requests
                 g[1] += errors
                 g[2].extend(latencies)
-        return {version: summarize(requests, errors, latencies)
-                for version, (requests, errors, latencies) in grouped.items()}
+        return {
+            version: summarize(requests, errors, latencies)
+            for version, (requests, errors, latencies) in grouped.items()
+        }
 
 
 class _StatsBuffer:
@@ -173,8 +198,11 @@ class _StatsBuffer:
             try:
                 if self.actor is None:
                     self.actor = RouteStats.options(
-                        name=stats_actor_name(self.route), namespace=SERVE_NAMESPACE,
-                        lifetime="detached", get_if_exists=True).remote()
+                        name=stats_actor_name(self.route),
+                        namespace=SERVE_NAMESPACE,
+                        lifetime="detached",
+                        get_if_exists=True,
+                    ).remote()
                 self.actor.record.remote(time.time(), {v: tuple(e) for v, e in pending.items()})
             except Exception:  # stats must never break serving
                 logger.exception("could not record route stats")
@@ -204,8 +232,12 @@ class Router:
             parsed = RouterConfig.parse(config)
         except (TypeError, ValueError) as error:
             self.rejected_config = str(error)
-            logger.error("router %s ignored a bad config (kept generation %s): %s",
-                         self.route, self.config.generation, error)
+            logger.error(
+                "router %s ignored a bad config (kept generation %s): %s",
+                self.route,
+                self.config.generation,
+                error,
+            )
             return
         self.rejected_config = None
         if parsed == self.config:
@@ -215,8 +247,9 @@ class Router:
             self._load_inline(parsed.live)
         else:
             self.inline = None
-        logger.info("router %s now at generation %s: %s", self.route, parsed.generation,
-                    parsed.as_dict())
+        logger.info(
+            "router %s now at generation %s: %s", self.route, parsed.generation, parsed.as_dict()
+        )
 
     def _load_inline(self, live: Target) -> None:
         if self.inline is not None and self.inline.version == live.version:
@@ -235,8 +268,9 @@ class Router:
                     self.load_error = None
             except Exception as error:  # keep forwarding to the live app
                 self.load_error = f"v{live.version}: {error}"
-                logger.exception("router %s could not host v%s in process", self.route,
-                                 live.version)
+                logger.exception(
+                    "router %s could not host v%s in process", self.route, live.version
+                )
             finally:
                 with self._lock:
                     self.loading = None
@@ -254,12 +288,18 @@ class Router:
     def status(self) -> dict[str, Any]:
         """What this replica serves now."""
         inline = self.inline
-        return {"route": self.route, "config": self.config.as_dict(),
-                "inline_version": inline.version if inline is not None and
-                self.config.live is not None and inline.version == self.config.live.version
-                else None,
-                "loading": self.loading, "load_error": self.load_error,
-                "rejected_config": self.rejected_config}
+        return {
+            "route": self.route,
+            "config": self.config.as_dict(),
+            "inline_version": inline.version
+            if inline is not None
+            and self.config.live is not None
+            and inline.version == self.config.live.version
+            else None,
+            "loading": self.loading,
+            "load_error": self.load_error,
+            "rejected_config": self.rejected_config,
+        }
 
     def check_health(self) -> None:
         pass  # the router holds no model it cannot do without; targets have their own checks
@@ -287,13 +327,15 @@ class Router:
             return await self._forward_stream(target, req, config.timeout_s, started, rid)
         else:
             answer = await self._forward(target, req, config.timeout_s)
-        self.stats.add(target.version, answer["status"] >= 500,
-                       (time.perf_counter() - started) * 1000)
+        self.stats.add(
+            target.version, answer["status"] >= 500, (time.perf_counter() - started) * 1000
+        )
         answer["headers"] = tagged_headers(answer["headers"], target.version, rid)
         return to_response(answer)
 
-    async def _forward_stream(self, target: Target, req: dict[str, Any], timeout_s: float,
-                              started: float, rid: str) -> Any:
+    async def _forward_stream(
+        self, target: Target, req: dict[str, Any], timeout_s: float, started: float, rid: str
+    ) -> Any:
         """Stream a target's chunks through: its first item is {"status", "headers"}; the
         timeout covers the wait for it (time to first token), not the whole stream."""
         from starlette.responses import StreamingResponse
@@ -306,8 +348,11 @@ class Router:
             if stream is not None:
                 stream.cancel()
             status = 504 if isinstance(error, TimeoutError) else 502
-            reason = (f"no first chunk within {timeout_s:g} s" if status == 504
-                      else f"{type(error).__name__}: {str(error)[-300:]}")
+            reason = (
+                f"no first chunk within {timeout_s:g} s"
+                if status == 504
+                else f"{type(error).__name__}: {str(error)[-300:]}"
+            )
             answer = json_response(status, {"error": f"v{target.version}: {reason}"})
             self.stats.add(target.version, True, (time.perf_counter() - started) * 1000)
             answer["headers"] = tagged_headers(answer["headers"], target.version, rid)
@@ -331,8 +376,13 @@ class Router:
         try:
             response = self._handle(target).handle_http.remote(req)
         except Exception as error:
-            return json_response(502, {"error": f"v{target.version} ({target.app}) is not "
-                                                f"reachable: {type(error).__name__}: {error}"})
+            return json_response(
+                502,
+                {
+                    "error": f"v{target.version} ({target.app}) is not "
+                    f"reachable: {type(error).__name__}: {error}"
+                },
+            )
 
         async def result():
             return await response
@@ -341,12 +391,14 @@ class Router:
             return await asyncio.wait_for(result(), timeout_s)
         except TimeoutError:
             response.cancel()
-            return json_response(504, {"error": f"v{target.version} did not answer within "
-                                                f"{timeout_s:g} s"})
+            return json_response(
+                504, {"error": f"v{target.version} did not answer within {timeout_s:g} s"}
+            )
         except Exception as error:
             message = str(error).strip().splitlines()[-1] if str(error).strip() else ""
-            return json_response(502, {"error": f"v{target.version} failed: "
-                                                f"{type(error).__name__}: {message[:300]}"})
+            return json_response(
+                502, {"error": f"v{target.version} failed: {type(error).__name__}: {message[:300]}"}
+            )
 
 
 def _wants_stream(req: dict[str, Any]) -> bool:
@@ -375,5 +427,4 @@ def build_router_app(args: dict[str, Any]) -> Any:
     return Router.options(**options).bind(route, int(args.get("max_body_bytes", MAX_BODY_BYTES)))
 
 
-__all__ = ["Router", "RouterConfig", "RouteStats", "Target", "build_router_app",
-           "stats_actor_name"]
+__all__ = ["Router", "RouterConfig", "RouteStats", "Target", "build_router_app", "stats_actor_name"]

@@ -39,8 +39,10 @@ def router_app_name(route: str) -> str:
 
 def validate_route(route: str) -> str:
     if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", route or ""):
-        raise ValueError(f"route {route!r} must be lowercase letters, digits and '-' "
-                         f"(it becomes the URL prefix /{route})")
+        raise ValueError(
+            f"route {route!r} must be lowercase letters, digits and '-' "
+            f"(it becomes the URL prefix /{route})"
+        )
     return route
 
 
@@ -54,8 +56,10 @@ def start(host: str = "127.0.0.1", port: int = 8000) -> Any:
     client = _connect()
     config = client.http_config
     if (config.host, config.port) != (host, port):
-        raise ServeGateError(f"Serve on this cluster already listens on {config.host}:"
-                             f"{config.port}, not {host}:{port}")
+        raise ServeGateError(
+            f"Serve on this cluster already listens on {config.host}:"
+            f"{config.port}, not {host}:{port}"
+        )
     return client
 
 
@@ -81,9 +85,11 @@ def app_configs() -> dict[str, dict[str, Any]]:
     return {name: c.model_dump(exclude_unset=True) for name, c in configs.items()}
 
 
-def apply(upserts: dict[str, dict[str, Any]] | None = None,
-          deletes: set[str] | frozenset[str] = frozenset(), wait_deleted_s: float = 60.0,
-          ) -> None:
+def apply(
+    upserts: dict[str, dict[str, Any]] | None = None,
+    deletes: set[str] | frozenset[str] = frozenset(),
+    wait_deleted_s: float = 60.0,
+) -> None:
     """Apply app configs by name and delete apps, keeping every other declarative app.
     Deleted apps are waited for (their replicas gone), up to `wait_deleted_s`."""
     from ray.serve.schema import ServeDeploySchema
@@ -101,27 +107,42 @@ def apply(upserts: dict[str, dict[str, Any]] | None = None,
         time.sleep(0.3)
 
 
-def version_app_config(app: str, model: dict[str, Any], serving: dict[str, Any],
-                       faults: dict[str, Any] | None, runtime_env: dict[str, Any]) -> dict:
+def version_app_config(
+    app: str,
+    model: dict[str, Any],
+    serving: dict[str, Any],
+    faults: dict[str, Any] | None,
+    runtime_env: dict[str, Any],
+) -> dict:
     return {
-        "name": app, "import_path": POLICY_IMPORT, "route_prefix": None,
-        "runtime_env": runtime_env, "args": {"model": model, "serving": serving},
+        "name": app,
+        "import_path": POLICY_IMPORT,
+        "route_prefix": None,
+        "runtime_env": runtime_env,
+        "args": {"model": model, "serving": serving},
         "deployments": [{"name": POLICY_DEPLOYMENT, "user_config": {"faults": faults or {}}}],
     }
 
 
-def router_app_config(route: str, config: RouterConfig, runtime_env: dict[str, Any],
-                      serving: dict[str, Any] | None = None) -> dict:
+def router_app_config(
+    route: str,
+    config: RouterConfig,
+    runtime_env: dict[str, Any],
+    serving: dict[str, Any] | None = None,
+) -> dict:
     return {
-        "name": router_app_name(route), "import_path": ROUTER_IMPORT,
-        "route_prefix": f"/{route}", "runtime_env": runtime_env,
+        "name": router_app_name(route),
+        "import_path": ROUTER_IMPORT,
+        "route_prefix": f"/{route}",
+        "runtime_env": runtime_env,
         "args": {"route": route, "serving": serving or {}},
         "deployments": [{"name": ROUTER_DEPLOYMENT, "user_config": config.as_dict()}],
     }
 
 
-def with_user_config(app_config: dict[str, Any], deployment: str,
-                     user_config: dict[str, Any]) -> dict[str, Any]:
+def with_user_config(
+    app_config: dict[str, Any], deployment: str, user_config: dict[str, Any]
+) -> dict[str, Any]:
     """A copy of an app config whose deployment gets a new user_config (nothing else)."""
     deployments = [dict(d) for d in app_config.get("deployments", [])]
     for entry in deployments:
@@ -152,13 +173,16 @@ def deployment_state(app: str, deployment: str) -> dict[str, Any]:
     apps = details().get("applications", {})
     entry = apps.get(app)
     if entry is None:
-        return {"app_status": None, "status": None, "message": "", "replicas": {},
-                "target": None}
+        return {"app_status": None, "status": None, "message": "", "replicas": {}, "target": None}
     dep = entry.get("deployments", {}).get(deployment, {})
     replicas = {r["replica_id"]: str(r["state"]) for r in dep.get("replicas", [])}
-    return {"app_status": str(entry.get("status")), "status": dep.get("status"),
-            "message": dep.get("message") or entry.get("message") or "",
-            "replicas": replicas, "target": dep.get("target_num_replicas")}
+    return {
+        "app_status": str(entry.get("status")),
+        "status": dep.get("status"),
+        "message": dep.get("message") or entry.get("message") or "",
+        "replicas": replicas,
+        "target": dep.get("target_num_replicas"),
+    }
 
 
 @dataclass
@@ -171,8 +195,15 @@ class HealthReport:
     timeline: list[str] = field(default_factory=list)
 
 
-def wait_stable(app: str, deployment: str, *, timeout_s: float, window_s: float,
-                poll_s: float = 0.5, probe: bool = False) -> HealthReport:
+def wait_stable(
+    app: str,
+    deployment: str,
+    *,
+    timeout_s: float,
+    window_s: float,
+    poll_s: float = 0.5,
+    probe: bool = False,
+) -> HealthReport:
     """Wait until the app is RUNNING with every replica RUNNING, then require it to stay so,
     with the same replicas, for `window_s`: a replica that is replaced or turns unhealthy
     inside the window fails the gate (Serve's own RUNNING is one look, not health).
@@ -192,41 +223,81 @@ def wait_stable(app: str, deployment: str, *, timeout_s: float, window_s: float,
         status, app_status = str(state["status"]), str(state["app_status"])
         replicas = state["replicas"]
         summary = f"app {app_status}, deployment {status}, replicas " + (
-            ", ".join(sorted(set(replicas.values()))) or "none")
+            ", ".join(sorted(set(replicas.values()))) or "none"
+        )
         if summary != last:
             timeline.append(f"{now - started:5.1f}s {summary}")
             last = summary
-        if app_status.endswith("DEPLOY_FAILED") or status.endswith("UNHEALTHY") or \
-                status.endswith("DEPLOY_FAILED"):
-            return HealthReport(False, now - started, f"{app} is {status}: "
-                                f"{state['message'][:500]}", len(replicas), checks, timeline)
-        running = (app_status.endswith("RUNNING") and status.endswith("HEALTHY")
-                   and replicas and all(s.endswith("RUNNING") for s in replicas.values()))
+        if (
+            app_status.endswith("DEPLOY_FAILED")
+            or status.endswith("UNHEALTHY")
+            or status.endswith("DEPLOY_FAILED")
+        ):
+            return HealthReport(
+                False,
+                now - started,
+                f"{app} is {status}: {state['message'][:500]}",
+                len(replicas),
+                checks,
+                timeline,
+            )
+        running = (
+            app_status.endswith("RUNNING")
+            and status.endswith("HEALTHY")
+            and replicas
+            and all(s.endswith("RUNNING") for s in replicas.values())
+        )
         if running:
             checks += 1
             if probe and (failure := _probe(app, deployment)):
-                return HealthReport(False, now - started, f"{app}: check_health failed inside "
-                                    f"the stability window: {failure}", len(replicas), checks,
-                                    timeline)
+                return HealthReport(
+                    False,
+                    now - started,
+                    f"{app}: check_health failed inside the stability window: {failure}",
+                    len(replicas),
+                    checks,
+                    timeline,
+                )
             if stable_since is None:
                 stable_since, stable_replicas = now, set(replicas)
             elif set(replicas) != stable_replicas:
-                return HealthReport(False, now - started,
-                                    f"{app}: replicas were replaced during the stability "
-                                    f"window ({sorted(stable_replicas)} -> {sorted(replicas)})",
-                                    len(replicas), checks, timeline)
+                return HealthReport(
+                    False,
+                    now - started,
+                    f"{app}: replicas were replaced during the stability "
+                    f"window ({sorted(stable_replicas)} -> {sorted(replicas)})",
+                    len(replicas),
+                    checks,
+                    timeline,
+                )
             elif now - stable_since >= window_s:
-                return HealthReport(True, now - started,
-                                    f"{len(replicas)} replica(s) healthy for {window_s:g} s",
-                                    len(replicas), checks, timeline)
+                return HealthReport(
+                    True,
+                    now - started,
+                    f"{len(replicas)} replica(s) healthy for {window_s:g} s",
+                    len(replicas),
+                    checks,
+                    timeline,
+                )
         elif stable_since is not None:
-            return HealthReport(False, now - started, f"{app} left RUNNING during the "
-                                f"stability window: {summary}; {state['message'][:300]}",
-                                len(replicas), checks, timeline)
+            return HealthReport(
+                False,
+                now - started,
+                f"{app} left RUNNING during the "
+                f"stability window: {summary}; {state['message'][:300]}",
+                len(replicas),
+                checks,
+                timeline,
+            )
         if now - started > timeout_s:
-            return HealthReport(False, now - started, f"{app} not healthy within "
-                                f"{timeout_s:g} s: {summary}; {state['message'][:300]}",
-                                len(replicas), checks, timeline)
+            return HealthReport(
+                False,
+                now - started,
+                f"{app} not healthy within {timeout_s:g} s: {summary}; {state['message'][:300]}",
+                len(replicas),
+                checks,
+                timeline,
+            )
         time.sleep(poll_s)
 
 
@@ -259,8 +330,9 @@ def router_status(route: str, samples: int = 3, timeout_s: float = 15.0) -> list
     return [router.status.remote().result(timeout_s=timeout_s) for _ in range(samples)]
 
 
-def wait_router(route: str, generation: int, timeout_s: float = 60.0,
-                inline_version: str | None = None) -> dict[str, Any]:
+def wait_router(
+    route: str, generation: int, timeout_s: float = 60.0, inline_version: str | None = None
+) -> dict[str, Any]:
     """Wait until the router answers with `generation` (and, if given, hosts
     `inline_version` in process); returns its status. Raises ServeGateError on timeout."""
     deadline = time.monotonic() + timeout_s
@@ -274,13 +346,15 @@ def wait_router(route: str, generation: int, timeout_s: float = 60.0,
             continue
         last = statuses[-1]
         if all(s["config"]["generation"] == generation for s in statuses) and (
-                inline_version is None or all(s["inline_version"] == inline_version
-                                              for s in statuses)):
+            inline_version is None or all(s["inline_version"] == inline_version for s in statuses)
+        ):
             return last
         time.sleep(0.2)
-    raise ServeGateError(f"router {route} did not reach generation {generation}"
-                         f"{f' hosting v{inline_version}' if inline_version else ''} within "
-                         f"{timeout_s:g} s; last status {last}")
+    raise ServeGateError(
+        f"router {route} did not reach generation {generation}"
+        f"{f' hosting v{inline_version}' if inline_version else ''} within "
+        f"{timeout_s:g} s; last status {last}"
+    )
 
 
 def route_stats(route: str, since: float, until: float | None = None) -> dict[str, dict]:

@@ -54,12 +54,20 @@ class ModelSpec:
         version = str(value["version"])
         if not version.isdigit():
             raise ValueError(f"model version must be a number (never an alias), got {version!r}")
-        return cls(str(value["name"]), version, str(value["tracking_uri"]),
-                   value.get("registry_uri") or None)
+        return cls(
+            str(value["name"]),
+            version,
+            str(value["tracking_uri"]),
+            value.get("registry_uri") or None,
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "version": self.version, "tracking_uri": self.tracking_uri,
-                "registry_uri": self.registry_uri}
+        return {
+            "name": self.name,
+            "version": self.version,
+            "tracking_uri": self.tracking_uri,
+            "registry_uri": self.registry_uri,
+        }
 
 
 def download_policy(spec: ModelSpec, target: str | Path | None = None) -> Path:
@@ -76,20 +84,24 @@ def download_policy(spec: ModelSpec, target: str | Path | None = None) -> Path:
     if version.status != "READY":
         raise RuntimeError(f"{spec.name} v{spec.version} is {version.status}, not READY")
     folder = Path(target or tempfile.mkdtemp(prefix=f"policy-{spec.name}-{spec.version}-"))
-    local = Path(download_artifacts(artifact_uri=version.source, dst_path=str(folder),
-                                    tracking_uri=spec.tracking_uri))
+    local = Path(
+        download_artifacts(
+            artifact_uri=version.source, dst_path=str(folder), tracking_uri=spec.tracking_uri
+        )
+    )
     checkpoint = local / "artifacts" / ARTIFACT_KEY
     if not checkpoint.is_dir():
-        raise RuntimeError(f"{spec.name} v{spec.version} ({version.source}) holds no "
-                           f"{ARTIFACT_KEY}: not a policy registered by this project")
+        raise RuntimeError(
+            f"{spec.name} v{spec.version} ({version.source}) holds no "
+            f"{ARTIFACT_KEY}: not a policy registered by this project"
+        )
     return checkpoint
 
 
 class PolicyCore:
     """A loaded policy and its request contract (JSON or raw float32 bytes)."""
 
-    def __init__(self, spec: ModelSpec, module: Any = None,
-                 max_body_bytes: int = MAX_BODY_BYTES):
+    def __init__(self, spec: ModelSpec, module: Any = None, max_body_bytes: int = MAX_BODY_BYTES):
         from workloads.rllib import load_policy
 
         self.spec = spec
@@ -111,7 +123,8 @@ class PolicyCore:
         with torch.no_grad():
             out = self.module.forward_inference({Columns.OBS: torch.from_numpy(observations)})
         dist = self.module.get_inference_action_dist_cls().from_logits(
-            out[Columns.ACTION_DIST_INPUTS])
+            out[Columns.ACTION_DIST_INPUTS]
+        )
         return dist.to_deterministic().sample().numpy()
 
     def probe_observations(self, count: int = 4, seed: int = 0) -> np.ndarray:
@@ -125,25 +138,34 @@ class PolicyCore:
         """Act on observations and verify every action is in the action space."""
         observations = self.probe_observations() if observations is None else observations
         actions = self.act(observations)
-        bad = [a for a in actions if not self.action_space.contains(
-            np.asarray(a, dtype=self.action_space.dtype))]
+        bad = [
+            a
+            for a in actions
+            if not self.action_space.contains(np.asarray(a, dtype=self.action_space.dtype))
+        ]
         if len(actions) != len(observations) or bad:
-            raise RuntimeError(f"v{self.version} gave invalid actions {bad[:3]!r} for "
-                               f"{len(observations)} probe observations")
+            raise RuntimeError(
+                f"v{self.version} gave invalid actions {bad[:3]!r} for "
+                f"{len(observations)} probe observations"
+            )
         return [_plain(a) for a in actions]
 
     # -- HTTP contract ------------------------------------------------------------------
     def parse(self, body: bytes, content_type: str) -> tuple[np.ndarray, bool]:
         """Observations as a float32 batch, and whether one observation was sent."""
         if len(body) > self.max_body_bytes:
-            raise BadRequest(413, f"body of {len(body)} bytes exceeds the limit of "
-                                  f"{self.max_body_bytes} bytes")
+            raise BadRequest(
+                413, f"body of {len(body)} bytes exceeds the limit of {self.max_body_bytes} bytes"
+            )
         kind = content_type.split(";")[0].strip().lower()
         if kind == RAW_TYPE:
             return self._parse_raw(body)
         if kind not in ("", JSON_TYPE):
-            raise BadRequest(415, f"content type {kind!r} is not supported: send "
-                                  f"{JSON_TYPE} or {RAW_TYPE} (float32 little-endian)")
+            raise BadRequest(
+                415,
+                f"content type {kind!r} is not supported: send "
+                f"{JSON_TYPE} or {RAW_TYPE} (float32 little-endian)",
+            )
         try:
             payload = json.loads(body, parse_constant=_reject_constant)
         except (ValueError, UnicodeDecodeError) as error:
@@ -152,16 +174,22 @@ class PolicyCore:
             raise BadRequest(422, 'JSON body must be an object like {"observation": [...]}')
         keys = [k for k in ("observation", "observations") if k in payload]
         if len(keys) != 1:
-            raise BadRequest(422, 'JSON body must have exactly one of "observation" (one '
-                                  'observation or a batch) or "observations" (a batch)')
+            raise BadRequest(
+                422,
+                'JSON body must have exactly one of "observation" (one '
+                'observation or a batch) or "observations" (a batch)',
+            )
         return self._check_array(payload[keys[0]], keys[0])
 
     def _parse_raw(self, body: bytes) -> tuple[np.ndarray, bool]:
         row = 4 * self.obs_size
         if not body or len(body) % row:
-            raise BadRequest(422, f"raw body must be float32 observations of shape "
-                                  f"{list(self.obs_shape)} ({row} bytes each); got "
-                                  f"{len(body)} bytes")
+            raise BadRequest(
+                422,
+                f"raw body must be float32 observations of shape "
+                f"{list(self.obs_shape)} ({row} bytes each); got "
+                f"{len(body)} bytes",
+            )
         array = np.frombuffer(body, dtype="<f4").reshape(-1, *self.obs_shape)
         return self._finish(array.astype(np.float32), single=len(array) == 1, field="body")
 
@@ -169,19 +197,25 @@ class PolicyCore:
         try:
             array = np.asarray(value)
         except ValueError:
-            raise BadRequest(422, f"{field_name} is ragged: every observation must have "
-                                  f"shape {list(self.obs_shape)}") from None
+            raise BadRequest(
+                422,
+                f"{field_name} is ragged: every observation must have shape {list(self.obs_shape)}",
+            ) from None
         if array.dtype == bool or not np.issubdtype(array.dtype, np.number):
-            raise BadRequest(422, f"{field_name} must hold numbers only (float32); got "
-                                  f"{_describe(value)}")
+            raise BadRequest(
+                422, f"{field_name} must hold numbers only (float32); got {_describe(value)}"
+            )
         ndim = len(self.obs_shape)
         if array.shape == self.obs_shape:
             return self._finish(array[None].astype(np.float32), single=True, field=field_name)
         if array.ndim == ndim + 1 and array.shape[1:] == self.obs_shape and len(array):
             return self._finish(array.astype(np.float32), single=False, field=field_name)
-        raise BadRequest(422, f"{field_name} must have shape {list(self.obs_shape)} (or "
-                              f"[n, {', '.join(map(str, self.obs_shape))}] for a batch); got "
-                              f"{list(array.shape)}")
+        raise BadRequest(
+            422,
+            f"{field_name} must have shape {list(self.obs_shape)} (or "
+            f"[n, {', '.join(map(str, self.obs_shape))}] for a batch); got "
+            f"{list(array.shape)}",
+        )
 
     def _finish(self, array: np.ndarray, single: bool, field: str) -> tuple[np.ndarray, bool]:
         if len(array) > MAX_BATCH:
@@ -196,14 +230,16 @@ class PolicyCore:
         try:
             if request.get("method", "POST") != "POST":
                 raise BadRequest(405, "use POST with an observation")
-            observations, single = self.parse(request.get("body", b""),
-                                              headers.get("content-type", JSON_TYPE))
+            observations, single = self.parse(
+                request.get("body", b""), headers.get("content-type", JSON_TYPE)
+            )
             actions = [_plain(a) for a in self.act(observations)]
             body = {"action": actions[0]} if single else {"actions": actions}
             return json_response(200, {**body, "model_version": self.version})
         except BadRequest as error:
-            return json_response(error.status, {"error": error.message,
-                                                "model_version": self.version})
+            return json_response(
+                error.status, {"error": error.message, "model_version": self.version}
+            )
 
 
 def _reject_constant(name: str) -> float:
@@ -238,18 +274,27 @@ class Faults:
         unknown = set(value) - {"error_rate", "fail_health_after_s", "latency_ms"}
         if unknown:
             raise ValueError(f"unknown fault fields {sorted(unknown)}")
-        faults = cls(float(value.get("error_rate", 0.0)),
-                     None if value.get("fail_health_after_s") is None
-                     else float(value["fail_health_after_s"]),
-                     float(value.get("latency_ms", 0.0)))
-        if not 0.0 <= faults.error_rate <= 1.0 or faults.latency_ms < 0 or (
-                faults.fail_health_after_s is not None and faults.fail_health_after_s < 0):
+        faults = cls(
+            float(value.get("error_rate", 0.0)),
+            None
+            if value.get("fail_health_after_s") is None
+            else float(value["fail_health_after_s"]),
+            float(value.get("latency_ms", 0.0)),
+        )
+        if (
+            not 0.0 <= faults.error_rate <= 1.0
+            or faults.latency_ms < 0
+            or (faults.fail_health_after_s is not None and faults.fail_health_after_s < 0)
+        ):
             raise ValueError(f"fault values out of range: {value!r}")
         return faults
 
     def as_dict(self) -> dict[str, Any]:
-        return {"error_rate": self.error_rate, "fail_health_after_s": self.fail_health_after_s,
-                "latency_ms": self.latency_ms}
+        return {
+            "error_rate": self.error_rate,
+            "fail_health_after_s": self.fail_health_after_s,
+            "latency_ms": self.latency_ms,
+        }
 
 
 class InjectedFault(RuntimeError):
@@ -260,8 +305,12 @@ class InjectedFault(RuntimeError):
 from ray import serve  # noqa: E402  (after the Serve-free part above)
 
 
-@serve.deployment(name=POLICY_DEPLOYMENT, max_ongoing_requests=32, health_check_period_s=2.0,
-                  health_check_timeout_s=10.0)
+@serve.deployment(
+    name=POLICY_DEPLOYMENT,
+    max_ongoing_requests=32,
+    health_check_period_s=2.0,
+    health_check_timeout_s=10.0,
+)
 class PolicyServer:
     """One policy version as its own Serve application (no route of its own: the router
     reaches it through a handle). Direct HTTP works when the app is given a route."""
@@ -306,8 +355,12 @@ class PolicyServer:
         return {"actions": self.core.check(array), "model_version": self.core.version}
 
     def describe(self) -> dict[str, Any]:
-        return {"model": self.core.spec.as_dict(), "observation_shape": list(self.core.obs_shape),
-                "faults": self.faults.as_dict(), "rejected_config": self.rejected_config}
+        return {
+            "model": self.core.spec.as_dict(),
+            "observation_shape": list(self.core.obs_shape),
+            "faults": self.faults.as_dict(),
+            "rejected_config": self.rejected_config,
+        }
 
     async def __call__(self, request: Any) -> Any:
         req = await request_dict(request, self.core.max_body_bytes)
@@ -324,9 +377,17 @@ def serving_options(serving: dict[str, Any] | None) -> dict[str, Any]:
     """Serve deployment options from a plain mapping (replicas or autoscaling, CPUs, GPUs,
     health-check period and timeout, concurrency). Raises ValueError naming a bad key."""
     serving = dict(serving or {})
-    allowed = {"num_replicas", "autoscaling", "num_cpus", "num_gpus", "memory",
-               "health_check_period_s", "health_check_timeout_s", "max_ongoing_requests",
-               "graceful_shutdown_timeout_s"}
+    allowed = {
+        "num_replicas",
+        "autoscaling",
+        "num_cpus",
+        "num_gpus",
+        "memory",
+        "health_check_period_s",
+        "health_check_timeout_s",
+        "max_ongoing_requests",
+        "graceful_shutdown_timeout_s",
+    }
     unknown = set(serving) - allowed
     if unknown:
         raise ValueError(f"unknown serving options {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -345,8 +406,12 @@ def serving_options(serving: dict[str, Any] | None) -> dict[str, Any]:
         if replicas < 1:
             raise ValueError(f"num_replicas must be at least 1, got {replicas}")
         options["num_replicas"] = replicas
-    for key in ("health_check_period_s", "health_check_timeout_s", "max_ongoing_requests",
-                "graceful_shutdown_timeout_s"):
+    for key in (
+        "health_check_period_s",
+        "health_check_timeout_s",
+        "max_ongoing_requests",
+        "graceful_shutdown_timeout_s",
+    ):
         if key in serving:
             value = float(serving[key]) if key.endswith("_s") else int(serving[key])
             if value <= 0:
@@ -361,4 +426,5 @@ def build_policy_app(args: dict[str, Any]) -> Any:
     ModelSpec.parse(args.get("model"))
     options = serving_options(args.get("serving"))
     return PolicyServer.options(**options).bind(
-        args["model"], int(args.get("max_body_bytes", MAX_BODY_BYTES)))
+        args["model"], int(args.get("max_body_bytes", MAX_BODY_BYTES))
+    )

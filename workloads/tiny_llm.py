@@ -39,9 +39,11 @@ CHAT_TEMPLATE = (
     "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-_WORDS = ("ray serve flow task model version canary router replica token prompt champion "
-          "challenger rollout health latency batch cluster policy checkpoint metric the a of to "
-          "and is in on with for by from when then only every each new old live desired").split()
+_WORDS = (
+    "ray serve flow task model version canary router replica token prompt champion "
+    "challenger rollout health latency batch cluster policy checkpoint metric the a of to "
+    "and is in on with for by from when then only every each new old live desired"
+).split()
 
 
 def _corpus(lines: int, seed: int) -> list[str]:
@@ -65,8 +67,9 @@ def _has_builder_deps() -> bool:
     return all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers", "torch"))
 
 
-def build_tiny_llm(out_dir: str | os.PathLike, seed: int = 0,
-                   python: str | os.PathLike | None = None) -> Path:
+def build_tiny_llm(
+    out_dir: str | os.PathLike, seed: int = 0, python: str | os.PathLike | None = None
+) -> Path:
     """Write the tiny model's HF folder to `out_dir` (created) and return its path. Runs in the
     LLM venv's `python` (default .venv-llm/bin/python) when this one lacks transformers."""
     out = Path(out_dir).resolve()
@@ -75,14 +78,20 @@ def build_tiny_llm(out_dir: str | os.PathLike, seed: int = 0,
         if not llm_python.exists():
             raise FileNotFoundError(
                 f"building the tiny LLM needs transformers and tokenizers: not in {sys.executable}"
-                f" and no LLM venv python at {llm_python} (run `make llm-venv`)")
+                f" and no LLM venv python at {llm_python} (run `make llm-venv`)"
+            )
         result = subprocess.run(
             [str(llm_python), "-m", "workloads.tiny_llm", str(out), "--seed", str(seed)],
-            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+        )
         if result.returncode != 0:
-            raise RuntimeError(f"building the tiny LLM in {llm_python} failed:\n"
-                               f"{result.stderr[-3000:]}")
+            raise RuntimeError(
+                f"building the tiny LLM in {llm_python} failed:\n{result.stderr[-3000:]}"
+            )
         return out
     _build_here(out, seed)
     return out
@@ -99,24 +108,43 @@ def _build_here(out: Path, seed: int) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(_corpus(5000, seed), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token=unk, bos_token=bos, eos_token=eos, pad_token=eos,
-        model_max_length=TINY_LLAMA["max_position_embeddings"])
+        tokenizer_object=tokenizer,
+        unk_token=unk,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=eos,
+        model_max_length=TINY_LLAMA["max_position_embeddings"],
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(fast), bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id, tie_word_embeddings=True, dtype="float32",
-        **TINY_LLAMA)
+        vocab_size=len(fast),
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=True,
+        dtype="float32",
+        **TINY_LLAMA,
+    )
     LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": fast.bos_token_id, "eos_token_id": fast.eos_token_id,
-         "pad_token_id": fast.pad_token_id}))
+    (out / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": fast.bos_token_id,
+                "eos_token_id": fast.eos_token_id,
+                "pad_token_id": fast.pad_token_id,
+            }
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

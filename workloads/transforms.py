@@ -62,7 +62,8 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i - BYTE_OFFSET for i in ids if i >= BYTE_OFFSET).decode(
-            "utf-8", errors="replace")
+            "utf-8", errors="replace"
+        )
 
 
 def _as_table(batch: Any) -> tuple[pa.Table, bool]:
@@ -75,22 +76,30 @@ def _like_input(table: pa.Table, was_pandas: bool) -> Any:
     return table.to_pandas() if was_pandas else table
 
 
-def tokenize_text(batch: Any, text_column: str = "text", max_length: int = DEFAULT_MAX_LENGTH,
-                  add_special_tokens: bool = True) -> Any:
+def tokenize_text(
+    batch: Any,
+    text_column: str = "text",
+    max_length: int = DEFAULT_MAX_LENGTH,
+    add_special_tokens: bool = True,
+) -> Any:
     """Add `input_ids` (byte-level token ids) and `num_tokens` for `text_column`."""
     table, was_pandas = _as_table(batch)
     if text_column not in table.column_names:
         raise KeyError(f"text column {text_column!r} is not in the batch {table.column_names}")
-    ids = ByteTokenizer(max_length, add_special_tokens).encode_batch(
-        table[text_column].to_pylist())
+    ids = ByteTokenizer(max_length, add_special_tokens).encode_batch(table[text_column].to_pylist())
     table = table.append_column("input_ids", ids).append_column(
-        "num_tokens", pc.list_value_length(ids).cast(pa.int32()))
+        "num_tokens", pc.list_value_length(ids).cast(pa.int32())
+    )
     return _like_input(table, was_pandas)
 
 
-def prepare_numeric(batch: Any, columns: Sequence[str], log_columns: Sequence[str] = (),
-                    scale: dict[str, Sequence[float]] | None = None,
-                    impute: float = 0.0) -> Any:
+def prepare_numeric(
+    batch: Any,
+    columns: Sequence[str],
+    log_columns: Sequence[str] = (),
+    scale: dict[str, Sequence[float]] | None = None,
+    impute: float = 0.0,
+) -> Any:
     """Add `features` (float32 list, one slot per column plus one missing-flag per column):
     nulls imputed and flagged, `log_columns` as sign(x)*log1p(|x|), then `scale` as
     {column: [mean, std]}. Raises ValueError on an infinite or NaN value."""
@@ -115,8 +124,11 @@ def prepare_numeric(batch: Any, columns: Sequence[str], log_columns: Sequence[st
             values = (values - mean) / (std or 1.0)
         slots.append(values.astype(np.float32))
         missing_flags.append(missing.astype(np.float32))
-    matrix = np.stack(slots + missing_flags, axis=1) if slots else \
-        np.zeros((table.num_rows, 0), np.float32)
+    matrix = (
+        np.stack(slots + missing_flags, axis=1)
+        if slots
+        else np.zeros((table.num_rows, 0), np.float32)
+    )
     width = matrix.shape[1]
     features = pa.FixedSizeListArray.from_arrays(pa.array(matrix.reshape(-1)), width)
     return _like_input(table.append_column("features", features), was_pandas)
