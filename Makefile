@@ -47,12 +47,14 @@ $(LLM_STAMP): constraints/llm.txt $(CONSTRAINTS)
 demo: install
 	$(BIN)/python -m deployments.demo
 
-test: install llm-venv
-	$(BIN)/ruff check .
+test: install llm-venv lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# Style, formatting and the layering contracts in pyproject.toml ([tool.importlinter]).
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 up: install
 	$(BIN)/python -m deployments.local up

@@ -46,6 +46,14 @@ class MLflowServer(Block):
     _block_type_name = "MLflow Server"
     _block_type_slug = "mlflow-server"
     _description = "An MLflow tracking server and model registry, with an optional token."
+    _documentation_url = "https://mlflow.org/docs/latest/"
+    _code_example = """
+    from blocks import MLflowServer
+
+    mlflow_server = MLflowServer.load("BLOCK_NAME")
+    with mlflow_server.session() as client:  # an MlflowClient, with the block's token
+        client.search_registered_models()
+    """
 
     tracking_uri: str = Field(
         default="http://127.0.0.1:5000",
