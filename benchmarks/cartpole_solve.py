@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks._prefect import prefect_api
     from blocks import RayCluster
     from flows.tune_sweep import tune_sweep
-    from tasks.tune import SweepConfig
+    from tasks.tune_config import SweepConfig
 
     sweep = SweepConfig(
         search_space={},

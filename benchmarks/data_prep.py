@@ -67,8 +67,8 @@ def run_raw(source: Path, output: Path, num_cpus: int) -> float:
 def run_flow(source: Path, output: Path, num_cpus: int) -> tuple[float, dict]:
     # Imports stay outside the timing, as `import ray` does for the raw script.
     from blocks import RayCluster
-    from blocks.ray_runner import ProjectRayTaskRunner  # noqa: F401
     from flows.data_prep import DataPrepParams, data_prep
+    from ray_runner import RayClusterTaskRunner  # noqa: F401
 
     params = DataPrepParams(
         source=str(source),

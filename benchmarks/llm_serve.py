@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from blocks import RayCluster
     from deployments import local
-    from tasks.serve import serving_runtime_env
-    from workloads import serve_control as sc
+    from tasks.serve_apps import serving_runtime_env
+    from workloads import serve_control
     from workloads.llm import deploy_llm_app
     from workloads.router import RouterConfig, Target
     from workloads.tiny_llm import build_tiny_llm
@@ -164,14 +164,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 deploy_s = time.perf_counter() - started
                 http_port = _get_global_client().http_config.port
-                router = sc.router_app_config(
+                router = serve_control.router_app_config(
                     ROUTER_ROUTE,
-                    RouterConfig(live=Target("bench", APP_NAME, "LLMServer"), timeout_s=120),
+                    RouterConfig(live=Target("bench", APP_NAME, "llm"), timeout_s=120),
                     serving_runtime_env(cluster),
                     {"max_ongoing_requests": 256},
                 )
-                sc.apply({router["name"]: router})
-                sc.wait_router(ROUTER_ROUTE, 0, timeout_s=120)
+                serve_control.apply({router["name"]: router})
+                serve_control.wait_router(ROUTER_ROUTE, 0, timeout_s=120)
                 base = f"http://{local.HOST}:{http_port}"
                 runs: dict[str, list[dict]] = {"router": [], "direct": []}
                 for _ in range(args.rounds):
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                 direct = summarize(merge(runs["direct"]))
                 routed = summarize(merge(runs["router"]))
             finally:
-                sc.apply(deletes={sc.router_app_name(ROUTER_ROUTE)})
+                serve_control.apply(deletes={serve_control.router_app_name(ROUTER_ROUTE)})
                 serve.delete(APP_NAME)
                 if started_serve:
                     serve.shutdown()

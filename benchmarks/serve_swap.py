@@ -114,9 +114,9 @@ def run(stack, threads: int, steady_s: float) -> dict[str, Any]:
 
     from blocks import MLflowServer
     from flows.rollout import RolloutFailed, serve_rollout
-    from tasks.serve import Drill, Gates, Serving
-    from workloads import registry
-    from workloads import serve_control as sc
+    from tasks.serve_config import Drill, Gates, Serving
+    from workloads import registry, serve_control
+    from workloads.constants import POLICY_DEPLOYMENT
 
     cluster = stack.ray_cluster()
     server = MLflowServer(tracking_uri=stack.mlflow_uri)
@@ -156,7 +156,7 @@ def run(stack, threads: int, steady_s: float) -> dict[str, Any]:
                 artifacts={},
                 observation_size=4,
             )
-        sc.start(cluster.serve_host, port)
+        serve_control.start(cluster.serve_host, port)
 
         def rollout(version: int, drill: Drill | None = None, expect_failure: bool = False):
             try:
@@ -214,20 +214,24 @@ def run(stack, threads: int, steady_s: float) -> dict[str, Any]:
 
         # Steady state: the router hosts v2 in process; a second app of v2 gets its own route.
         live = registry.resolve_alias(client, name, registry.LIVE).version
-        runtime_env = sc.app_configs()[sc.version_app_name(name, live)]["runtime_env"]
-        app = sc.version_app_config(
+        runtime_env = serve_control.app_configs()[serve_control.version_app_name(name, live)][
+            "runtime_env"
+        ]
+        app = serve_control.version_app_config(
             DIRECT,
             {"name": name, "version": live, "tracking_uri": stack.mlflow_uri},
             serving.version_options(),
             {},
             runtime_env,
         )
-        sc.apply({DIRECT: {**app, "route_prefix": f"/{DIRECT}"}})
-        if not sc.wait_stable(DIRECT, sc.POLICY_DEPLOYMENT, timeout_s=180, window_s=1).healthy:
+        serve_control.apply({DIRECT: {**app, "route_prefix": f"/{DIRECT}"}})
+        if not serve_control.wait_stable(
+            DIRECT, POLICY_DEPLOYMENT, timeout_s=180, window_s=1
+        ).healthy:
             raise RuntimeError("the direct app did not start")
-        sc.wait_router(
+        serve_control.wait_router(
             ROUTE,
-            sc.router_status(ROUTE, 1)[0]["config"]["generation"],
+            serve_control.router_status(ROUTE, 1)[0]["config"]["generation"],
             inline_version=live,
             timeout_s=120,
         )
@@ -235,11 +239,11 @@ def run(stack, threads: int, steady_s: float) -> dict[str, Any]:
         for _ in range(2):
             router_runs.append(steady(port, f"/{ROUTE}", threads, steady_s))
             direct_runs.append(steady(port, f"/{DIRECT}", threads, steady_s))
-        sc.apply(
+        serve_control.apply(
             deletes={
                 a
-                for a in sc.app_configs()
-                if a.startswith(name) or a in (DIRECT, sc.router_app_name(ROUTE))
+                for a in serve_control.app_configs()
+                if a.startswith(name) or a in (DIRECT, serve_control.router_app_name(ROUTE))
             }
         )
 

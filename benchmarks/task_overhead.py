@@ -32,7 +32,7 @@ def run(tasks: int) -> dict:
     from prefect_ray import RayTaskRunner
 
     from blocks import RayCluster
-    from blocks.ray_runner import ProjectRayTaskRunner
+    from ray_runner import RayClusterTaskRunner
 
     cluster = RayCluster(num_cpus=2)
     ray.init("local", **cluster.init_kwargs())
@@ -58,7 +58,7 @@ def run(tasks: int) -> dict:
         results = {}
         for name, runner in (
             ("stock", RayTaskRunner()),
-            ("ours", ProjectRayTaskRunner(cluster=cluster)),
+            ("ours", RayClusterTaskRunner(cluster)),
         ):
             measured = fan_out.with_options(task_runner=runner)
             measured(WARMUP_TASKS)  # worker processes import Prefect once

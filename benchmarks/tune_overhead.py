@@ -25,7 +25,7 @@ SEARCH_SPACE = {"lr": {"grid": [1e-4, 3e-4, 6e-4, 1e-3]}}
 
 
 def sweep_config(iterations: int):
-    from tasks.tune import SweepConfig
+    from tasks.tune_config import SweepConfig
 
     return SweepConfig(
         hyperparameters=HYPERPARAMETERS,

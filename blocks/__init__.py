@@ -4,6 +4,7 @@ Register them with `prefect block register -m blocks`.
 """
 
 from blocks.mlflow_server import MLflowServer
+from blocks.mlflow_webhook import MLflowWebhook
 from blocks.ray_cluster import RayCluster
 
-__all__ = ["MLflowServer", "RayCluster"]
+__all__ = ["MLflowServer", "MLflowWebhook", "RayCluster"]

@@ -1,4 +1,4 @@
-"""The RayCluster block: where Ray work runs, and a task runner that carries Prefect there."""
+"""The RayCluster block: where Ray work runs, and how this process connects to it."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from pydantic import Field, SecretStr, field_validator
 from workloads.constants import PROJECT_NAMESPACE, PROJECT_ROOT
 
 # Shipped to every Ray worker through runtime_env py_modules, so a separate cluster can
-# import the tasks and workloads the flow process pickles by reference.
-PROJECT_PACKAGES = ("blocks", "flows", "tasks", "workloads")
+# import the tasks, runner functions and workloads the flow process pickles by reference.
+PROJECT_PACKAGES = ("blocks", "flows", "tasks", "ray_runner", "workloads")
 LOCAL_HOST = "127.0.0.1"
 
 _HOSTNAME = re.compile(
@@ -83,13 +83,26 @@ def _forget_serve_handles() -> None:
 class RayCluster(Block):
     """A Ray cluster that flows run on: an embedded local Ray, or an existing cluster by address.
 
-    Connecting through this block ships the project's packages to the cluster and carries
-    the Prefect API settings into every Ray worker, so task runs on Ray are recorded in the
-    same Prefect API as their flow run.
+    Connecting through this block ships the project's packages to the cluster; the task
+    runner built from it (ray_runner.RayClusterTaskRunner) carries the Prefect API settings
+    into every Ray worker, so task runs on Ray are recorded in the same Prefect API as their
+    flow run.
     """
 
     _block_type_name = "Ray Cluster"
     _block_type_slug = "ray-cluster"
+    _documentation_url = "https://docs.ray.io/en/latest/cluster/getting-started.html"
+    _code_example = """
+    from prefect import flow
+
+    from blocks import RayCluster
+    from ray_runner import RayClusterTaskRunner
+
+    ray_cluster = RayCluster.load("BLOCK_NAME")
+
+    @flow(task_runner=RayClusterTaskRunner(ray_cluster))
+    def on_ray(): ...
+    """
     _description = (
         "Where Ray work runs: an embedded local Ray (empty address) or an existing "
         "cluster ('auto', 'host:port', 'ray://host:port')."
@@ -240,10 +253,3 @@ class RayCluster(Block):
 
                 Config.initialize("")
                 AuthenticationTokenLoader.instance().reset_cache()
-
-    def task_runner(self, **options: Any):
-        """A RayTaskRunner on this cluster that carries Prefect settings into Ray workers.
-        Options: crash_retries, crash_backoff_s, remote_defaults (Ray task options)."""
-        from blocks.ray_runner import ProjectRayTaskRunner
-
-        return ProjectRayTaskRunner(cluster=self, **options)

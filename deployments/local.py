@@ -1,4 +1,4 @@
-"""Local services for the embedded default: a Prefect server and a lean MLflow server.
+"""Local services for the embedded default: Prefect, a lean MLflow, MLflow's webhook receiver.
 
 `python -m deployments.local up|down|status|env`. Everything binds 127.0.0.1 and keeps its
 state under one git-ignored folder (`.local/` by default). `down` stops only what `up`
@@ -10,6 +10,7 @@ themselves start an embedded Ray when their RayCluster block has no address.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import os
@@ -22,13 +23,18 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 HOST = "127.0.0.1"
 DEFAULT_STATE_DIR = Path(__file__).resolve().parent.parent / ".local"
-DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000, "ray": 6379}
+DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000, "receiver": 4210, "ray": 6379}
+RECEIVER_WEBHOOK_PATH = "/mlflow"  # where deployments.receiver takes MLflow's deliveries
+RECEIVER_HEALTH_PATH = "/health"
+# MLflow caches its webhook list per event (60 s by default): a webhook registered after an
+# event of that kind would be skipped for up to a minute.
+MLFLOW_WEBHOOK_CACHE_TTL_S = 1
 RAY_DASHBOARD_PORT = 8265
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 15.0
@@ -44,6 +50,7 @@ class Service:
     port: int
     state_dir: Path
     num_cpus: int | None = None  # ray only: logical CPUs the head offers
+    prefect_port: int | None = None  # receiver only: the Prefect server it emits events to
 
     @property
     def url(self) -> str:
@@ -57,6 +64,8 @@ class Service:
             return f"{self.url}/api/health"
         if self.name == "mlflow":
             return f"{self.url}/health"
+        if self.name == "receiver":
+            return f"{self.url}{RECEIVER_HEALTH_PATH}"
         return f"http://{HOST}:{self.dashboard_port}/api/version"
 
     @property
@@ -64,17 +73,23 @@ class Service:
         return self.port + (RAY_DASHBOARD_PORT - DEFAULT_PORTS["ray"])
 
     @property
+    def webhook_url(self) -> str:
+        """receiver only: the URL MLflow delivers registry webhooks to."""
+        return f"{self.url}{RECEIVER_WEBHOOK_PATH}"
+
+    @property
     def ray_token_file(self) -> Path:
         """Ray 2.60 token auth: the head's token, kept with its state (mode 0600)."""
         return self.state_dir / "ray_auth_token"
 
     def ray_token(self) -> str:
-        if not self.ray_token_file.exists():
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.ray_token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as out:
-                out.write(secrets.token_hex(32))
-        return self.ray_token_file.read_text().strip()
+        return _state_secret(self.ray_token_file, lambda: secrets.token_hex(32))
+
+    def mlflow_webhook_key(self) -> str:
+        """The Fernet key MLflow encrypts webhook secrets with: without a fixed one it makes a
+        new key per start and cannot read the secrets it stored before a restart."""
+        key_file = self.state_dir / "mlflow_webhook_key"
+        return _state_secret(key_file, lambda: base64.urlsafe_b64encode(os.urandom(32)).decode())
 
     @property
     def pid_file(self) -> Path:
@@ -95,65 +110,41 @@ class Service:
                 PREFECT_UI_API_URL=f"{self.url}/api",
             )
             env.pop("PREFECT_API_URL", None)
-            argv = [
-                str(bin_dir / "prefect"),
-                "server",
-                "start",
-                "--host",
-                HOST,
-                "--port",
-                str(self.port),
-            ]
-            return argv, env
+            argv = [str(bin_dir / "prefect"), "server", "start", "--host", HOST]
+            return [*argv, "--port", str(self.port)], env
         if self.name == "mlflow":
             root = self.state_dir / "mlflow"
             (root / "artifacts").mkdir(parents=True, exist_ok=True)
-            env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
-            argv = [
-                str(bin_dir / "mlflow"),
-                "server",
-                "--workers",
-                "1",
-                "--host",
-                HOST,
-                "--port",
-                str(self.port),
-                "--backend-store-uri",
-                f"sqlite:///{root / 'mlflow.db'}",
-                "--artifacts-destination",
-                str(root / "artifacts"),
-            ]
-            return argv, env
+            env.update(
+                MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
+                # Local only: the receiver listens on 127.0.0.1 over http, which MLflow's
+                # webhook delivery refuses by default (https to a public address only).
+                MLFLOW_WEBHOOK_ALLOWED_SCHEMES="http,https",
+                MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS="true",
+                MLFLOW_WEBHOOK_CACHE_TTL=str(MLFLOW_WEBHOOK_CACHE_TTL_S),
+                MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY=self.mlflow_webhook_key(),
+            )
+            argv = [str(bin_dir / "mlflow"), "server", "--workers", "1", "--host", HOST]
+            argv += ["--port", str(self.port), "--backend-store-uri", f"sqlite:///{root}/mlflow.db"]
+            return [*argv, "--artifacts-destination", str(root / "artifacts")], env
+        if self.name == "receiver":
+            env.update(
+                PREFECT_HOME=str(self.state_dir / "prefect"),
+                PREFECT_API_URL=f"http://{HOST}:{self.prefect_port}/api",
+            )
+            argv = [sys.executable, "-m", "deployments.receiver", "--host", HOST]
+            return [*argv, "--port", str(self.port)], env
         ray_tmp = self.state_dir / "ray"
         ray_tmp.mkdir(parents=True, exist_ok=True)
-        env.update(
-            RAY_USAGE_STATS_ENABLED="0",
-            RAY_AUTH_MODE="token",
-            RAY_AUTH_TOKEN_PATH=str(self.ray_token_file),
-        )
         self.ray_token()
-        argv = [
-            str(bin_dir / "ray"),
-            "start",
-            "--head",
-            "--block",
-            "--node-ip-address",
-            HOST,
-            "--port",
-            str(self.port),
-            "--dashboard-host",
-            HOST,
-            "--dashboard-port",
-            str(self.dashboard_port),
-            "--temp-dir",
-            str(ray_tmp),
-            "--disable-usage-stats",
-            # Fixed defaults (10001, 52365) would collide with another head on this machine.
-            "--ray-client-server-port",
-            str(_free_port()),
-            "--dashboard-agent-listen-port",
-            str(_free_port()),
-        ]
+        env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token")
+        env["RAY_AUTH_TOKEN_PATH"] = str(self.ray_token_file)
+        argv = [str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address", HOST]
+        argv += ["--port", str(self.port), "--dashboard-host", HOST]
+        argv += ["--dashboard-port", str(self.dashboard_port), "--temp-dir", str(ray_tmp)]
+        # Fixed defaults (10001, 52365) would collide with another head on this machine.
+        argv += ["--disable-usage-stats", "--ray-client-server-port", str(_free_port())]
+        argv += ["--dashboard-agent-listen-port", str(_free_port())]
         if self.num_cpus:
             argv += ["--num-cpus", str(self.num_cpus)]
         return argv, env
@@ -162,16 +153,30 @@ class Service:
 def services(
     state_dir: Path = DEFAULT_STATE_DIR,
     ports: dict[str, int] | None = None,
-    names: Iterable[str] = ("prefect", "mlflow"),
+    names: Iterable[str] = ("prefect", "mlflow", "receiver"),
     ray_num_cpus: int | None = None,
 ) -> list[Service]:
     ports = {**DEFAULT_PORTS, **(ports or {})}
     return [
         Service(
-            name, ports[name], Path(state_dir).resolve(), ray_num_cpus if name == "ray" else None
+            name,
+            ports[name],
+            Path(state_dir).resolve(),
+            num_cpus=ray_num_cpus if name == "ray" else None,
+            prefect_port=ports["prefect"] if name == "receiver" else None,
         )
         for name in names
     ]
+
+
+def _state_secret(path: Path, make: Callable[[], str]) -> str:
+    """A secret kept in the state folder (mode 0600), made once by `make()`."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(make())
+    return path.read_text().strip()
 
 
 def _free_port() -> int:
@@ -391,12 +396,11 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_STATE_DIR,
         help="folder for all state, logs and pid files (default: .local/)",
     )
-    parser.add_argument("--prefect-port", type=int, default=DEFAULT_PORTS["prefect"])
-    parser.add_argument("--mlflow-port", type=int, default=DEFAULT_PORTS["mlflow"])
+    for name, port in DEFAULT_PORTS.items():
+        parser.add_argument(f"--{name}-port", type=int, default=port)
     parser.add_argument(
         "--ray", action="store_true", help="also manage a Ray head (ray start --head) on --ray-port"
     )
-    parser.add_argument("--ray-port", type=int, default=DEFAULT_PORTS["ray"])
     parser.add_argument(
         "--ray-num-cpus",
         type=int,
@@ -404,13 +408,9 @@ def main(argv: list[str] | None = None) -> int:
         help="logical CPUs the Ray head offers (default: the machine's)",
     )
     args = parser.parse_args(argv)
-    names = ["prefect", "mlflow"] + (["ray"] if args.ray else [])
-    chosen = services(
-        args.state_dir,
-        {"prefect": args.prefect_port, "mlflow": args.mlflow_port, "ray": args.ray_port},
-        names,
-        args.ray_num_cpus,
-    )
+    names = ["prefect", "mlflow", "receiver"] + (["ray"] if args.ray else [])
+    ports = {name: getattr(args, f"{name}_port") for name in DEFAULT_PORTS}
+    chosen = services(args.state_dir, ports, names, args.ray_num_cpus)
     if args.command == "env":
         for key, value in environment(chosen).items():
             print(f"export {key}={value}")

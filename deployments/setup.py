@@ -1,9 +1,10 @@
 """What `prefect deploy` needs beyond prefect.yaml, per environment, and idempotent: the
-blocks the deployments name, the process work pool, the rollout concurrency limits, schedules
-on or off, and a worker for the pool.
+blocks the deployments name, MLflow's registry webhook to the receiver, the process work pool,
+the rollout concurrency limits, schedules on or off, and a worker for the pool.
 
     python -m deployments.setup                   # the local services of deployments.local
-    python -m deployments.setup --ray-address HOST:PORT --ray-token-file F --mlflow-uri URI
+    python -m deployments.setup --ray-address HOST:PORT --ray-token-file F --mlflow-uri URI \
+        [--receiver-url https://HOST/mlflow]
     python -m deployments.setup --schedules on    # after `prefect deploy`: nightly + reconcile
     python -m deployments.setup --worker start    # a process worker for the pool (or stop)
 
@@ -17,20 +18,28 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import secrets
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deployments import local
 from workloads.constants import PROJECT_ROOT
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+    from blocks import MLflowWebhook
 
 WORK_POOL = "ray-lifecycle-process"
 BLOCK_NAME = "lifecycle"  # what prefect.yaml's `$ref: {block_document_slug: ...}` name
 ROUTES = ("policy",)
 SCHEDULED = ("train-and-ship", "reconcile")  # deployments with schedules in prefect.yaml
 WORKER_NAME = "ray-lifecycle-local"
+WEBHOOK_NOTE = "Registry events to Prefect (deployments.receiver); kept by deployments.setup."
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,7 @@ class Environment:
     block_name: str = BLOCK_NAME
     work_pool: str = WORK_POOL
     client_env: dict[str, str] = field(default_factory=dict)  # for workers and CLI calls
+    receiver_url: str | None = None  # where MLflow delivers registry webhooks; None: no webhook
 
     def ray_cluster(self):
         from blocks import RayCluster
@@ -62,13 +72,19 @@ class Environment:
 
         return MLflowServer(tracking_uri=self.mlflow_uri)
 
+    def mlflow_webhook(self, secret: str):
+        from blocks import MLflowWebhook
+
+        return MLflowWebhook(secret=secret, url=self.receiver_url)
+
 
 def local_environment(
     state_dir: Path = local.DEFAULT_STATE_DIR, serve_port: int = 8000
 ) -> Environment:
     """The services `python -m deployments.local up --ray` runs (a Ray head is required: Serve
     rollouts need a cluster that outlives a flow run)."""
-    services = {s.name: s for s in local.services(state_dir, names=("prefect", "mlflow", "ray"))}
+    names = ("prefect", "mlflow", "receiver", "ray")
+    services = {s.name: s for s in local.services(state_dir, names=names)}
     ray = services["ray"]
     return Environment(
         ray_address=ray.url,
@@ -77,6 +93,7 @@ def local_environment(
         ray_dashboard_url=f"http://{local.HOST}:{ray.dashboard_port}",
         serve_port=serve_port,
         client_env=local.environment(list(services.values())),
+        receiver_url=services["receiver"].webhook_url,
     )
 
 
@@ -90,6 +107,57 @@ def save_blocks(env: Environment) -> list[str]:
         block.save(env.block_name, overwrite=True)
         done.append(f"block {block_type.get_block_type_slug()}/{env.block_name}")
     return done
+
+
+def ensure_webhook(env: Environment) -> list[str]:
+    """The MLflowWebhook block (its secret made once, then kept) and the one MLflow webhook
+    of that name, with the block's URL, events and secret. Nothing without a receiver URL."""
+    if env.receiver_url is None:
+        return []
+    from mlflow.exceptions import MlflowException
+
+    from blocks import MLflowWebhook
+
+    MLflowWebhook.register_type_and_schema()
+    try:
+        secret = MLflowWebhook.load(env.block_name).secret.get_secret_value()
+    except ValueError:  # no block yet
+        secret = secrets.token_urlsafe(32)
+    webhook = env.mlflow_webhook(secret)
+    webhook.save(env.block_name, overwrite=True)
+    with env.mlflow_server().session() as client:
+        try:
+            outcome = register_webhook(client, webhook)
+        except MlflowException as error:
+            raise RuntimeError(
+                f"MLflow at {env.mlflow_uri} refused the webhook to {webhook.url}: {error.message} "
+                f"(a local MLflow needs MLFLOW_WEBHOOK_ALLOWED_SCHEMES=http,https and "
+                f"MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS=true: restart it with deployments.local)"
+            ) from None
+    slug = f"{MLflowWebhook.get_block_type_slug()}/{env.block_name}"
+    return [f"block {slug}", f"mlflow webhook {webhook.webhook_name} -> {webhook.url}: {outcome}"]
+
+
+def register_webhook(client: MlflowClient, webhook: MLflowWebhook) -> str:
+    """Create MLflow's webhook named by the block, or bring the existing one (and only one)
+    in line with it. MLflow never returns a secret, so it is always set."""
+    found, token = [], None
+    while True:
+        page = client.list_webhooks(max_results=100, page_token=token)
+        found += [hook for hook in page if hook.name == webhook.webhook_name]
+        token = page.token
+        if not token:
+            break
+    settings = {"url": webhook.url, "events": list(webhook.events)}
+    settings["secret"] = webhook.secret.get_secret_value()
+    if not found:
+        client.create_webhook(name=webhook.webhook_name, description=WEBHOOK_NOTE, **settings)
+        return "registered"
+    keep, *extra = found
+    for hook in extra:
+        client.delete_webhook(hook.webhook_id)
+    client.update_webhook(keep.webhook_id, status="ACTIVE", description=WEBHOOK_NOTE, **settings)
+    return "in line"
 
 
 def ensure_work_pool(name: str = WORK_POOL) -> str:
@@ -123,7 +191,12 @@ def ensure_rollout_limits(routes: tuple[str, ...] = ROUTES) -> list[str]:
 
 
 def prepare(env: Environment) -> list[str]:
-    return [*save_blocks(env), ensure_work_pool(env.work_pool), *ensure_rollout_limits(env.routes)]
+    return [
+        *save_blocks(env),
+        *ensure_webhook(env),
+        ensure_work_pool(env.work_pool),
+        *ensure_rollout_limits(env.routes),
+    ]
 
 
 def set_schedules(active: bool, deployments: tuple[str, ...] = SCHEDULED) -> list[str]:
@@ -244,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray-dashboard-url")
     parser.add_argument("--mlflow-uri", help="MLflow tracking URI (default: the local one)")
     parser.add_argument(
+        "--receiver-url",
+        help="URL MLflow delivers registry webhooks to (default: the local receiver's; with "
+        "--ray-address, no webhook unless given)",
+    )
+    parser.add_argument(
         "--serve-port",
         type=int,
         default=8000,
@@ -283,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                 ray_token=token,
                 ray_dashboard_url=args.ray_dashboard_url,
                 serve_port=args.serve_port,
+                receiver_url=args.receiver_url,
                 client_env={
                     k: v
                     for k, v in os.environ.items()
@@ -293,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
             env = local_environment(args.state_dir, args.serve_port)
             if args.mlflow_uri:
                 env = dataclasses.replace(env, mlflow_uri=args.mlflow_uri)
+            if args.receiver_url:
+                env = dataclasses.replace(env, receiver_url=args.receiver_url)
         if args.routes:
             env = dataclasses.replace(env, routes=tuple(args.routes))
         with _prefect_api(env.client_env.get("PREFECT_API_URL")):

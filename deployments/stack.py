@@ -1,6 +1,7 @@
 """A temporary stack of real services on free ports: one Ray head (`ray start --head`), one
-lean MLflow server and one Prefect server, each with its own temp dir, stopped by pid when
-the block ends. The test session and the serving benchmarks run on it."""
+lean MLflow server, one Prefect server and the MLflow webhook receiver between them, each with
+its own temp dir, stopped by pid when the block ends. The test session and the serving
+benchmarks run on it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ class Stack:
     ray_temp_dir: Path
     ray_token: str
     serve_port: int
+    receiver_url: str  # deployments.receiver; it loads the MLflowWebhook block `lifecycle`
+
+    @property
+    def webhook_url(self) -> str:
+        """Where MLflow delivers registry webhooks (POST)."""
+        return f"{self.receiver_url}{local.RECEIVER_WEBHOOK_PATH}"
 
     def ray_cluster(self, **fields):
         from blocks import RayCluster
@@ -37,12 +44,17 @@ class Stack:
 def temporary_stack(ray_num_cpus: int, prefix: str = "rlt-") -> Iterator[Stack]:
     # Short path: Ray's unix sockets live under its temp dir and must stay under 107 bytes.
     state_dir = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    prefect_port, mlflow_port, serve_port = local.free_ports(3)
+    prefect_port, mlflow_port, receiver_port, serve_port = local.free_ports(4)
     (ray_port,) = local.free_ports(1, spacing=local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"])
     services = local.services(
         state_dir,
-        {"prefect": prefect_port, "mlflow": mlflow_port, "ray": ray_port},
-        ("prefect", "mlflow", "ray"),
+        {
+            "prefect": prefect_port,
+            "mlflow": mlflow_port,
+            "receiver": receiver_port,
+            "ray": ray_port,
+        },
+        ("prefect", "mlflow", "receiver", "ray"),
         ray_num_cpus=ray_num_cpus,
     )
     try:
@@ -61,6 +73,7 @@ def temporary_stack(ray_num_cpus: int, prefix: str = "rlt-") -> Iterator[Stack]:
             ray_temp_dir=state_dir / "ray",
             ray_token=ray_service.ray_token(),
             serve_port=serve_port,
+            receiver_url=by_name["receiver"].url,
         )
     finally:
         for service in reversed(services):

@@ -11,13 +11,8 @@ from prefect_ray.context import remote_options
 from pydantic import BaseModel, Field
 
 from blocks import RayCluster
+from ray_runner import RayClusterTaskRunner
 from tasks.data import (
-    DEFAULT_EVAL_FRACTION,
-    DEFAULT_MAX_BAD_FRACTION,
-    ColumnType,
-    DatasetPlan,
-    DatasetResult,
-    RowFilterParam,
     TooManyBadRows,
     check_source_file,
     dataset_result,
@@ -29,7 +24,15 @@ from tasks.data import (
     publish_dataset,
     summarize_dataset,
 )
-from workloads.data import staging_path
+from tasks.data_config import (
+    DEFAULT_EVAL_FRACTION,
+    DEFAULT_MAX_BAD_FRACTION,
+    ColumnType,
+    DatasetPlan,
+    DatasetResult,
+    RowFilterParam,
+)
+from workloads.data.publish import staging_path
 
 
 class DataPrepParams(BaseModel):
@@ -115,7 +118,7 @@ def data_prep(
     cluster = ray_cluster or RayCluster()
     staging = staging_path(plan.output)
     try:
-        checks, staged = prepare_on_ray.with_options(task_runner=cluster.task_runner())(
+        checks, staged = prepare_on_ray.with_options(task_runner=RayClusterTaskRunner(cluster))(
             plan, staging
         )
         result = dataset_result(plan, checks, staged)

@@ -33,10 +33,9 @@ from flows.rollout import RolloutResult, serve_rollout
 from flows.tune_sweep import tune_sweep
 from tasks import lineage
 from tasks.register import EvaluationSummary, mlflow_task
-from tasks.serve import Gates, Serving
-from tasks.tune import DEFAULT_STORAGE_ROOT, StopConditions, SweepConfig
-from workloads import registry
-from workloads import serve_control as sc
+from tasks.serve_config import Gates, Serving
+from tasks.tune_config import DEFAULT_STORAGE_ROOT, StopConditions, SweepConfig
+from workloads import registry, serve_control
 from workloads.constants import VERSION_HEADER
 
 # Two PPO trials on 2 CPUs, each stopped at a training return of 450: held-out greedy returns
@@ -175,7 +174,7 @@ def train_and_ship(
     cluster, server = ray_cluster or RayCluster(), mlflow_server or MLflowServer()
     registry.validate_model_name(model_name)
     if ship:
-        sc.validate_route(route)
+        serve_control.validate_route(route)
         if cluster.is_embedded:
             raise ValueError(
                 "train_and_ship rolls out to Ray Serve, which needs a cluster that "

@@ -16,6 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
 from blocks import RayCluster
+from ray_runner import RayClusterTaskRunner
 
 
 class WorkerProbe(BaseModel):
@@ -80,7 +81,7 @@ def ray_smoke(
     from prefect.utilities.urls import url_for
 
     cluster = ray_cluster or RayCluster()
-    run_id, probes = fan_out.with_options(task_runner=cluster.task_runner())(tasks)
+    run_id, probes = fan_out.with_options(task_runner=RayClusterTaskRunner(cluster))(tasks)
     report = RaySmokeReport(
         tasks=len(probes),
         worker_pids=sorted({p.pid for p in probes}),

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from blocks import MLflowServer, RayCluster
 from flows.register import DEFAULT_MODEL_NAME
 from flows.rollout import RolloutResult, serve_rollout
-from tasks.serve import Gates, Serving
+from tasks.serve_config import Gates, Serving
 from workloads import registry
 
 FAILED_VERDICTS = ("rejected", "rolled_back")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -21,14 +21,8 @@ from blocks import MLflowServer, RayCluster
 from flows.register import DEFAULT_MODEL_NAME
 from tasks import lineage
 from tasks.serve import (
-    Drill,
-    GateFailed,
-    Gates,
-    LLMServing,
-    Serving,
     bake,
     canary_step,
-    current_router,
     deploy_candidate,
     emit,
     ensure_rollout_limit,
@@ -36,14 +30,15 @@ from tasks.serve import (
     record,
     retire,
     rollback,
-    serving_runtime_env,
     smoke,
     swap,
-    version_app,
     withdraw,
 )
-from workloads import registry
-from workloads import serve_control as sc
+from tasks.serve_apps import serving_runtime_env, version_app
+from tasks.serve_config import Drill, Gates, LLMServing, Serving
+from workloads import registry, serve_control
+from workloads.canary import GateFailed
+from workloads.router import TargetKind
 
 
 class RolloutFailed(RuntimeError):
@@ -126,7 +121,7 @@ def serve_rollout(
     drill: Drill | None = None,
     ray_cluster: RayCluster | None = None,
     mlflow_server: MLflowServer | None = None,
-    kind: Literal["policy", "llm"] = "policy",
+    kind: TargetKind = "policy",
     llm: LLMServing | None = None,
 ) -> RolloutResult:
     """Roll a registered policy version out to a Serve route through health, smoke and
@@ -151,7 +146,7 @@ def serve_rollout(
     if kind == "llm" and (drill.faults or drill.after_swap):
         raise ValueError("drills inject faults into policy versions only")
     server, cluster = mlflow_server or MLflowServer(), ray_cluster or RayCluster()
-    sc.validate_route(route)
+    serve_control.validate_route(route)
     serving.version_options()
     if cluster.is_embedded:
         raise ValueError(
@@ -160,21 +155,21 @@ def serve_rollout(
         )
     version = _resolve(server, model_name, version, alias)
     with concurrency(ensure_rollout_limit(route), occupy=1), cluster.connect() as joined:
-        sc.start(cluster.serve_host, cluster.serve_port)
+        serve_control.start(cluster.serve_host, cluster.serve_port)
         try:
             result = _rollout(
                 model_name, version, route, gates, serving, drill, cluster, server, kind, llm
             )
         finally:
             if joined is not None:  # this flow started the Ray connection: leave no handles
-                sc.release()
+                serve_control.release()
     if result.outcome != "already_live":
         lineage.record_serving(
             cluster,
             server,
             model_name,
             version,
-            app=sc.version_app_name(model_name, version),
+            app=serve_control.version_app_name(model_name, version),
             route=route,
             metadata={"outcome": result.outcome, "previous_version": result.previous_version},
         )
@@ -206,7 +201,7 @@ def _rollout(
     drill: Drill,
     cluster: RayCluster,
     server: MLflowServer,
-    kind: str,
+    kind: TargetKind,
     llm: LLMServing,
 ) -> RolloutResult:
     timeline = Timeline(model_name, version, route)
@@ -214,7 +209,7 @@ def _rollout(
     app_config, candidate, health_period_s = version_app(
         kind, server, model_name, version, serving, llm, drill.faults, env
     )
-    router = current_router(route)
+    router = serve_control.current_router(route)
     live = router.live if router else None
     url = f"{cluster.serve_url}/{route}"
     result = dict(
@@ -247,9 +242,7 @@ def _rollout(
         smoked = smoke(candidate, gates)
         timeline.add("smoke", "passed", smoked["reason"], smoked)
         if live is None:
-            swapped = swap(
-                route, candidate, gates, env, serving, inline=candidate.model is not None
-            )
+            swapped = swap(route, candidate, gates, env, serving, inline=candidate.kind == "policy")
             record(
                 server,
                 model_name,
@@ -278,7 +271,7 @@ def _rollout(
                 gates,
                 env,
                 serving,
-                router.inline_live and live.model is not None,
+                router.inline_live and live.kind == "policy",
             )
             timeline.add(f"canary {weight:.0%}", "passed", step["reason"], step)
     except GateFailed as failure:

@@ -14,15 +14,8 @@ from pydantic import BaseModel, Field
 
 from blocks import RayCluster
 from tasks import lineage
-from tasks.tune import (
-    DEFAULT_STORAGE_ROOT,
-    EvaluationReport,
-    SweepConfig,
-    TrialSummary,
-    evaluate,
-    publish,
-    run_sweep,
-)
+from tasks.tune import EvaluationReport, TrialSummary, evaluate, publish, run_sweep
+from tasks.tune_config import DEFAULT_STORAGE_ROOT, SweepConfig
 
 
 class SweepResult(BaseModel):

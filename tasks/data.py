@@ -5,106 +5,26 @@ staged dataset as a Prefect asset (flow process)."""
 from __future__ import annotations
 
 import posixpath
-from typing import Any, Literal
+from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.assets import Asset, AssetProperties, add_asset_metadata, materialize
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel, Field, model_validator
 
-from workloads import data
-
-ColumnType = Literal["int64", "float64", "string", "bool", "timestamp"]
-FilterOp = Literal["==", "!=", "<", "<=", ">", ">=", "in", "not in"]
-# The default share of bad rows a run may quarantine before it fails.
-DEFAULT_MAX_BAD_FRACTION = 0.01
-DEFAULT_EVAL_FRACTION = 0.1
-
-
-class RowFilterParam(BaseModel):
-    """Keep only rows where `column op value` holds; rows with a null there are dropped."""
-
-    column: str = Field(description="A column of the schema.")
-    op: FilterOp = Field(description="Comparison; 'in' and 'not in' take a list value.")
-    value: Any = Field(description="The value (a list for 'in' and 'not in') to compare with.")
-
-    @model_validator(mode="after")
-    def _list_for_membership(self) -> RowFilterParam:
-        if self.op in ("in", "not in") and not isinstance(self.value, list):
-            raise ValueError(
-                f"filter on {self.column!r}: {self.op!r} needs a list value, got {self.value!r}"
-            )
-        return self
-
-
-class DatasetPlan(BaseModel):
-    """What the flow process learnt about the job before any Ray work."""
-
-    source: str = Field(description="The source as given.")
-    source_uri: str = Field(description="The source as a URI, for lineage.")
-    format: str = Field(description="parquet, csv or json (lines).")
-    paths: list[str] = Field(description="Source files, in order.")
-    schema_: dict[str, str] = Field(alias="schema", description="Column -> checked type.")
-    required: list[str] = Field(description="Columns that must not be null.")
-    filters: list[RowFilterParam] = Field(description="Row filters.")
-    transform: str | None = Field(description="`module:function` applied with map_batches.")
-    transform_kwargs: dict[str, Any] = Field(description="Keyword arguments of the transform.")
-    batch_format: Literal["pandas", "pyarrow"] = Field(description="Transform batch kind.")
-    split_key: str = Field(description="Column hashed for the train/eval split.")
-    eval_fraction: float = Field(description="Share of keys that go to eval.")
-    max_bad_fraction: float = Field(description="Largest share of quarantined rows allowed.")
-    output: str = Field(description="Output location as given.")
-    output_uri: str = Field(description="The output as a URI: the asset key.")
-    fingerprint: str = Field(description="Content fingerprint of source, transform, parameters.")
-
-    model_config = {"populate_by_name": True}
-
-    def spec(self) -> data.PipelineSpec:
-        return data.PipelineSpec(
-            format=self.format,
-            schema=self.schema_,
-            required=tuple(self.required),
-            filters=tuple(data.RowFilter(f.column, f.op, f.value) for f in self.filters),
-            transform=self.transform,
-            transform_kwargs=self.transform_kwargs,
-            batch_format=self.batch_format,
-            split_key=self.split_key,
-            eval_fraction=self.eval_fraction,
-        )
-
-
-class DatasetResult(BaseModel):
-    """A prepared dataset: where it is, what went in and out, and its fingerprint for the
-    training and registration steps to record."""
-
-    output: str = Field(description="The dataset folder (train/, eval/, quarantine/).")
-    train_path: str = Field(description="Parquet folder of the train split.")
-    eval_path: str = Field(description="Parquet folder of the eval split.")
-    quarantine_path: str = Field(description="Parquet folder of the bad rows, with reasons.")
-    asset_key: str = Field(description="The Prefect asset this dataset materialises.")
-    source: str = Field(description="The source it was made from.")
-    fingerprint: str = Field(
-        description="Content fingerprint (source bytes, transform "
-        "source, parameters): equal fingerprints, equal datasets."
-    )
-    rows_in: int = Field(description="Rows in the source.")
-    rows_train: int = Field(description="Rows written to train.")
-    rows_eval: int = Field(description="Rows written to eval.")
-    rows_quarantined: int = Field(description="Rows sent to the quarantine.")
-    rows_filtered: int = Field(description="Good rows the filters left out.")
-    reasons: dict[str, int] = Field(description="Quarantined rows per reason.")
-    output_schema: dict[str, str] = Field(description="Columns and arrow types of the output.")
-    cache_hit: bool = Field(
-        default=False,
-        description="True when this run reused the "
-        "published dataset with the same fingerprint and did no Ray work.",
-    )
-
-
-class Verdict(BaseModel):
-    passed: bool
-    reason: str
+from tasks.data_config import DatasetPlan, DatasetResult, Verdict
+from workloads.data.checks import QUARANTINE_DIR, FileCheck, check_file
+from workloads.data.pipeline import StagedCounts, load_transform, run_pipeline, transform_source
+from workloads.data.publish import discard, publish, read_manifest
+from workloads.data.schema import resolve_schema, summarize_source
+from workloads.data.source import (
+    SourceError,
+    SourceFiles,
+    content_fingerprint,
+    filesystem_and_path,
+    resolve_source,
+    to_uri,
+)
 
 
 class TooManyBadRows(RuntimeError):
@@ -138,25 +58,25 @@ def plan_parameters(params: Any) -> dict[str, Any]:
 def plan_dataset(params: Any) -> DatasetPlan:
     """Find the source files, check the schema against them and fingerprint the inputs.
     Runs in the flow process and fails with a clear message before any Ray work."""
-    files = data.resolve_source(params.source)
-    summary = data.summarize_source(files)
+    files = resolve_source(params.source)
+    summary = summarize_source(files)
     if not summary.has_rows:
-        raise data.SourceError(
+        raise SourceError(
             f"source {params.source!r} has no rows ({len(files.paths)} {files.format} files)"
         )
-    schema = data.resolve_schema(
+    schema = resolve_schema(
         summary,
         params.expected_schema,
         params.required_columns,
         [params.split_key, *(f.column for f in params.filters)],
     )
     if params.transform is not None:
-        data.load_transform(params.transform)
-    output_fs, output_path = data.filesystem_and_path(params.output)
-    output_uri = data.to_uri(output_fs, output_path)
+        load_transform(params.transform)
+    output_fs, output_path = filesystem_and_path(params.output)
+    output_uri = to_uri(output_fs, output_path)
     Asset(key=output_uri)  # fails now, naming the key, if Prefect cannot take it
-    fingerprint = data.content_fingerprint(
-        files, data.transform_source(params.transform), plan_parameters(params)
+    fingerprint = content_fingerprint(
+        files, transform_source(params.transform), plan_parameters(params)
     )
     return DatasetPlan(
         source=params.source,
@@ -178,7 +98,7 @@ def plan_dataset(params: Any) -> DatasetPlan:
     )
 
 
-def _lineage_key(files: data.SourceFiles) -> str:
+def _lineage_key(files: SourceFiles) -> str:
     """The source as an asset key; a glob is represented by the folder it searches."""
     uri = files.uri
     while True:
@@ -187,56 +107,54 @@ def _lineage_key(files: data.SourceFiles) -> str:
         except ValueError:
             parent = uri.rsplit("/", 1)[0]
             if parent == uri or "://" not in parent:
-                return data.to_uri(files.filesystem, posixpath.dirname(files.paths[0]))
+                return to_uri(files.filesystem, posixpath.dirname(files.paths[0]))
             uri = parent
 
 
 def _output_fs(plan: DatasetPlan):
-    return data.filesystem_and_path(plan.output)[0]
+    return filesystem_and_path(plan.output)[0]
 
 
 @task(cache_policy=NO_CACHE)
 def find_cached(plan: DatasetPlan) -> DatasetResult | None:
     """The published dataset at the output when its fingerprint matches; no Ray involved."""
-    manifest = data.read_manifest(_output_fs(plan), plan.output)
+    manifest = read_manifest(_output_fs(plan), plan.output)
     if not manifest or manifest.get("fingerprint") != plan.fingerprint:
         return None
     return DatasetResult.model_validate({**manifest, "cache_hit": True})
 
 
 @task(cache_policy=NO_CACHE)
-def check_source_file(plan: DatasetPlan, path: str, staging: str) -> data.FileCheck:
+def check_source_file(plan: DatasetPlan, path: str, staging: str) -> FileCheck:
     """Count one file's rows; quarantine a file that lacks schema columns, and CSV lines
     with the wrong number of fields."""
-    return data.check_file(
-        data.filesystem_and_path(plan.source)[0],
+    return check_file(
+        filesystem_and_path(plan.source)[0],
         path,
         plan.format,
         plan.schema_,
-        posixpath.join(staging, data.QUARANTINE_DIR),
+        posixpath.join(staging, QUARANTINE_DIR),
     )
 
 
 @task(cache_policy=NO_CACHE)
-def prepare_dataset(
-    plan: DatasetPlan, staging: str, checks: list[data.FileCheck]
-) -> data.StagedCounts:
+def prepare_dataset(plan: DatasetPlan, staging: str, checks: list[FileCheck]) -> StagedCounts:
     """The one Ray Data pipeline: read, validate, transform, split, write into `staging`."""
     paths = [c.path for c in checks if c.readable_by_pipeline]
-    return data.run_pipeline(
-        data.filesystem_and_path(plan.source)[0], paths, plan.spec(), staging, _output_fs(plan)
+    return run_pipeline(
+        filesystem_and_path(plan.source)[0], paths, plan.spec(), staging, _output_fs(plan)
     )
 
 
 def dataset_result(
-    plan: DatasetPlan, checks: list[data.FileCheck], staged: data.StagedCounts
+    plan: DatasetPlan, checks: list[FileCheck], staged: StagedCounts
 ) -> DatasetResult:
     rows_in = sum(c.rows for c in checks)
     return DatasetResult(
         output=plan.output,
         train_path=posixpath.join(plan.output, "train"),
         eval_path=posixpath.join(plan.output, "eval"),
-        quarantine_path=posixpath.join(plan.output, data.QUARANTINE_DIR),
+        quarantine_path=posixpath.join(plan.output, QUARANTINE_DIR),
         asset_key=plan.output_uri,
         source=plan.source,
         fingerprint=plan.fingerprint,
@@ -267,8 +185,8 @@ def publish_dataset(plan: DatasetPlan):
         cache_policy=NO_CACHE,
         name="publish-dataset",
     )
-    def publish(staging: str, result: DatasetResult) -> DatasetResult:
-        data.publish(_output_fs(plan), staging, plan.output, result.model_dump(mode="json"))
+    def publish_staged(staging: str, result: DatasetResult) -> DatasetResult:
+        publish(_output_fs(plan), staging, plan.output, result.model_dump(mode="json"))
         add_asset_metadata(
             asset,
             {
@@ -284,13 +202,13 @@ def publish_dataset(plan: DatasetPlan):
         )
         return result
 
-    return publish
+    return publish_staged
 
 
 @task(cache_policy=NO_CACHE)
 def discard_staging(plan: DatasetPlan, staging: str) -> None:
     """Remove what a run staged but did not publish (no-op after a publish)."""
-    data.discard(_output_fs(plan), staging)
+    discard(_output_fs(plan), staging)
 
 
 def summarize_dataset(result: DatasetResult) -> None:

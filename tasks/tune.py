@@ -1,6 +1,6 @@
-"""Prefect tasks around one Tune sweep of an RLlib algorithm: the sweep's typed settings, the
-Tune run itself (preflight, resume, progress), the evaluation of its best checkpoint and the
-artifacts that show it in Prefect.
+"""Prefect tasks around one Tune sweep of an RLlib algorithm (its settings: tasks.tune_config):
+the Tune run itself (preflight, resume, progress), the evaluation of its best checkpoint and
+the artifacts that show it in Prefect.
 
 The Tune driver runs in the flow process (inside `RayCluster.connect()`), so its callbacks can
 update Prefect artifacts and watch the flow run for cancellation.
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
 from prefect import task
 from prefect.artifacts import (
     create_markdown_artifact,
@@ -22,166 +23,19 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.client.orchestration import get_client
+from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
 from prefect.states import Cancelled
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field
 
 from blocks import RayCluster
+from tasks.tune_config import SweepConfig
 from workloads import rllib
 
 EXPERIMENT_NAME = "sweep"
-DEFAULT_STORAGE_ROOT = "~/ray_results/tune-sweep"
-# PPO on CartPole: RLlib's tuned example, with a smaller batch so trials report often.
-DEFAULT_HYPERPARAMETERS: dict[str, Any] = {
-    "train_batch_size_per_learner": 2000,
-    "minibatch_size": 128,
-    "num_epochs": 6,
-    "lr": 3e-4,
-    "vf_loss_coeff": 0.01,
-}
-DEFAULT_SEARCH_SPACE: dict[str, Any] = {"lr": {"loguniform": [1e-4, 1e-3]}}
 # How often the driver asks Prefect whether the flow run is being cancelled.
 CANCEL_POLL_S = 5.0
-
-
-class SchedulerSettings(BaseModel):
-    kind: Literal["asha", "fifo"] = Field(
-        default="asha",
-        description=(
-            "'asha': stop weak trials early (Async Successive Halving); 'fifo': run "
-            "every trial to its stop condition."
-        ),
-    )
-    max_iterations: int = Field(
-        default=100, ge=1, description="ASHA: training iterations a trial may run at most."
-    )
-    grace_period: int = Field(
-        default=2, ge=1, description="ASHA: iterations every trial runs before it may be stopped."
-    )
-    reduction_factor: float = Field(
-        default=3, gt=1, description="ASHA: 1/reduction_factor of trials go on at each rung."
-    )
-
-
-class StopConditions(BaseModel):
-    """A trial stops at the first condition met; empty ones are ignored."""
-
-    training_iterations: int | None = Field(
-        default=None, ge=1, description="Stop a trial after this many training iterations."
-    )
-    env_steps: int | None = Field(
-        default=200_000, ge=1, description="Stop a trial after this many sampled env steps."
-    )
-    episode_return: float | None = Field(
-        default=450.0, description="Stop a trial once its mean episode return reaches this."
-    )
-    trial_seconds: float | None = Field(
-        default=None, gt=0, description="Stop a trial after this many seconds of training."
-    )
-    sweep_seconds: float | None = Field(
-        default=None, gt=0, description="Stop the whole sweep after this many seconds."
-    )
-
-    def criteria(self) -> dict[str, float]:
-        """Tune's stop dict (flattened result keys)."""
-        pairs = {
-            "training_iteration": self.training_iterations,
-            rllib.ENV_STEPS_METRIC: self.env_steps,
-            rllib.RETURN_METRIC: self.episode_return,
-            "time_total_s": self.trial_seconds,
-        }
-        return {key: value for key, value in pairs.items() if value is not None}
-
-
-class TrialResourceSettings(BaseModel):
-    env_runners: int = Field(
-        default=0,
-        ge=0,
-        description="Remote env runners per trial; 0 samples in the trial's own process.",
-    )
-    cpus_per_env_runner: float = Field(default=1, gt=0, description="CPUs per env runner.")
-    cpus: float = Field(
-        default=1, gt=0, description="CPUs for the trial's main process (algorithm and learner)."
-    )
-    gpus: float = Field(default=0, ge=0, description="GPUs for the trial's learner.")
-
-    def to_workload(self) -> rllib.TrialResources:
-        return rllib.TrialResources(**self.model_dump())
-
-
-class CheckpointPolicy(BaseModel):
-    keep: int = Field(default=2, ge=1, description="Checkpoints kept per trial: the N best.")
-    metric: str = Field(
-        default=rllib.RETURN_METRIC,
-        description="Result key that ranks checkpoints (higher is better).",
-    )
-    every_iterations: int = Field(
-        default=0,
-        ge=0,
-        description="Also checkpoint every N iterations (0: only at the end of a trial).",
-    )
-
-
-class SweepConfig(BaseModel):
-    """One Tune sweep of an RLlib algorithm, written as data."""
-
-    algorithm: str = Field(default="PPO", description="RLlib algorithm name, e.g. PPO, APPO, DQN.")
-    environment: str = Field(
-        default="CartPole-v1",
-        description="A Gymnasium id, or 'module:function' env creator that takes env_config.",
-    )
-    env_config: dict[str, Any] = Field(
-        default_factory=dict, description="Passed to the env creator (or gymnasium.make)."
-    )
-    hyperparameters: dict[str, Any] = Field(
-        default_factory=lambda: dict(DEFAULT_HYPERPARAMETERS),
-        description="Fixed algorithm config fields shared by every trial.",
-    )
-    search_space: dict[str, Any] = Field(
-        default_factory=lambda: dict(DEFAULT_SEARCH_SPACE),
-        description=(
-            "Config fields to search, e.g. {'lr': {'loguniform': [1e-4, 1e-3]}, "
-            "'minibatch_size': {'choice': [64, 128]}}; kinds: uniform, loguniform, "
-            "choice, randint (high exclusive), grid."
-        ),
-    )
-    num_samples: int = Field(
-        default=4, ge=1, description="Trials to sample (times the grid, if any)."
-    )
-    max_concurrent_trials: int | None = Field(
-        default=None, ge=1, description="Trials running at once; empty: as resources allow."
-    )
-    scheduler: SchedulerSettings = Field(
-        default_factory=SchedulerSettings, description="Trial scheduler and its settings."
-    )
-    stop: StopConditions = Field(
-        default_factory=StopConditions, description="When a trial (or the sweep) stops."
-    )
-    resources: TrialResourceSettings = Field(
-        default_factory=TrialResourceSettings, description="What one trial asks the cluster."
-    )
-    checkpoints: CheckpointPolicy = Field(
-        default_factory=CheckpointPolicy, description="Which checkpoints each trial keeps."
-    )
-    max_failures: int = Field(
-        default=1, ge=0, description="Times a failed trial is retried before the sweep fails."
-    )
-    seed: int = Field(
-        default=0, ge=0, description="Seeds every trial's envs and the held-out evaluation."
-    )
-    metric: str = Field(
-        default=rllib.RETURN_METRIC, description="Result key that ranks trials (higher is better)."
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> SweepConfig:
-        allowed = rllib.config_fields(rllib.algorithm_class(self.algorithm).get_default_config())
-        rllib.parse_search_space(self.search_space, allowed)
-        unknown = sorted(set(self.hyperparameters) - allowed)
-        if unknown:
-            raise ValueError(
-                f"hyperparameters key {unknown[0]!r} is not a {self.algorithm} config field"
-            )
-        return self
 
 
 class TrialSummary(BaseModel):
@@ -212,15 +66,9 @@ class EvaluationReport(BaseModel):
     seeds: list[int]
 
 
-# --- driver-side Tune hooks ---------------------------------------------------------------
-
-
 def _is_cancelling(flow_run_id: str) -> bool:
     """Whether Prefect is cancelling the flow run. An unreachable API is not a cancellation:
     the sweep goes on and the next poll asks again."""
-    import httpx
-    from prefect.client.orchestration import get_client
-
     try:
         with get_client(sync_client=True) as client:
             state = client.read_flow_run(flow_run_id).state
@@ -283,8 +131,6 @@ def _as_tune_stopper(stopper: SweepStopper):
 
 
 def _log(message: str, warning: bool = False) -> None:
-    from prefect.logging import get_run_logger
-
     logger = get_run_logger()
     (logger.warning if warning else logger.info)(message)
 
@@ -338,9 +184,6 @@ def _progress_callback(key: str):
             self._update(trials, trial)
 
     return ProgressArtifact()
-
-
-# --- the sweep ---------------------------------------------------------------------------
 
 
 def experiment_path(storage_root: str, flow_run_id: str | None) -> Path:
@@ -444,7 +287,7 @@ def _tuner(
 
 def preflight(config) -> dict[str, float]:
     """Fail at once when one trial can never be scheduled on the connected cluster."""
-    import ray
+    import ray  # lazy like ray.tune: loading the flow definitions needs no Ray
 
     request = rllib.resource_request(config)
     reason = rllib.unschedulable_reason(request, ray.cluster_resources())
@@ -457,8 +300,6 @@ def preflight(config) -> dict[str, float]:
 def run_sweep(sweep: SweepConfig, cluster: RayCluster, storage_root: str) -> SweepOutcome:
     """Run (or resume) this flow run's Tune sweep on the cluster; raise if a trial failed
     beyond max_failures. A Cancelled state when the flow run was cancelled meanwhile."""
-    from prefect.runtime import flow_run
-
     flow_run_id = flow_run.id
     path = experiment_path(storage_root, flow_run_id)
     with cluster.connect() as context:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prefect.testing.standard_test_suites import BlockStandardTestSuite
 
-from blocks import MLflowServer
+from blocks import MLflowServer, MLflowWebhook, RayCluster
 
 
 class _Standard(BlockStandardTestSuite):
@@ -21,3 +21,15 @@ class TestMLflowServer(_Standard):
     @pytest.fixture
     def block(self):
         return MLflowServer
+
+
+class TestMLflowWebhook(_Standard):
+    @pytest.fixture
+    def block(self):
+        return MLflowWebhook
+
+
+class TestRayCluster(_Standard):
+    @pytest.fixture
+    def block(self):
+        return RayCluster

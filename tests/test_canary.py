@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 
 import pytest
 
-from workloads.canary import Judgement, Thresholds, early_failure, judge
-from workloads.router import RouterConfig
+from workloads.canary import GateFailed, Judgement, Thresholds, early_failure, judge, judge_llm
+from workloads.constants import LLM_DEPLOYMENT, POLICY_DEPLOYMENT
+from workloads.router import RouterConfig, Target
 from workloads.serving import Faults, serving_options
 
 LIVE = {"requests": 400, "errors": 0, "p99_ms": 10.0}
@@ -44,6 +46,37 @@ def test_early_failure_needs_enough_requests_and_only_counts_errors():
     assert early_failure(figures(9, errors=9), thresholds) is None
     assert early_failure(figures(10, errors=5), thresholds).ok is False
     assert early_failure(figures(50, p99=5000.0), thresholds) is None
+
+
+def llm_figures(ttft_p99_ms, tokens_per_s_p50):
+    return {"ttft_p99_ms": ttft_p99_ms, "tokens_per_s_p50": tokens_per_s_p50}
+
+
+@pytest.mark.parametrize(
+    "candidate, live, words",
+    [
+        (None, llm_figures(100.0, 50.0), None),
+        (llm_figures(None, None), llm_figures(100.0, 50.0), None),
+        (llm_figures(6000.0, 50.0), None, "time to first token p99 6000 ms is above 5000 ms"),
+        (llm_figures(100.0, 20.0), llm_figures(100.0, 50.0), "20 tokens/s is below 0.5x live's 50"),
+        (llm_figures(100.0, 30.0), llm_figures(100.0, 50.0), None),
+        (llm_figures(100.0, 20.0), None, None),
+        (llm_figures(100.0, 20.0), llm_figures(100.0, None), None),
+    ],
+)
+def test_judge_llm(candidate, live, words):
+    reason = judge_llm(candidate, live, max_ttft_ms=5000.0, min_tokens_per_s_ratio=0.5)
+    assert reason == words
+
+
+def test_gate_failed_pickles_with_its_figures():
+    failure = pickle.loads(pickle.dumps(GateFailed("canary", "too slow", {"weight": 0.1})))
+    assert (failure.stage, failure.reason, failure.figures) == (
+        "canary",
+        "too slow",
+        {"weight": 0.1},
+    )
+    assert str(failure) == "canary: too slow"
 
 
 def test_bad_thresholds_are_rejected():
@@ -90,6 +123,18 @@ def test_router_config_round_trips():
         }
     )
     assert RouterConfig.parse(config.as_dict()) == config
+
+
+def test_a_target_kind_names_its_deployment_and_old_configs_still_parse():
+    assert Target.parse(TARGET).kind == "policy"
+    assert Target.parse(TARGET).deployment == POLICY_DEPLOYMENT
+    old_llm = Target.parse({"app": "l-v1", "version": "1", "deployment": LLM_DEPLOYMENT})
+    assert (old_llm.kind, old_llm.deployment) == ("llm", LLM_DEPLOYMENT)
+    assert Target.parse(old_llm.as_dict()) == old_llm
+    with pytest.raises(ValueError, match="kind"):
+        Target.parse({"app": "x", "version": "1", "kind": "tts"})
+    with pytest.raises(ValueError, match="live policy target"):
+        RouterConfig.parse({"inline_live": True, "live": old_llm.as_dict()})
 
 
 def test_faults_and_serving_options_are_validated():

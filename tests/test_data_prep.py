@@ -25,7 +25,8 @@ from prefect.states import StateType
 from blocks import RayCluster
 from flows.data_prep import DataPrepParams, data_prep
 from tasks.data import TooManyBadRows, judge_bad_rows, plan_dataset
-from workloads.data import SourceError, split_of
+from workloads.data.pipeline import split_of
+from workloads.data.source import SourceError, resolve_source
 from workloads.transforms import BOS_ID, EOS_ID, ByteTokenizer, prepare_numeric, tokenize_text
 
 GOOD_ROWS = 1500  # per CSV file; two files
@@ -418,8 +419,6 @@ def test_the_bad_row_verdict_names_counts_and_reasons():
 
 
 def test_sources_resolve_from_paths_globs_and_uris(tmp_path):
-    from workloads.data import resolve_source
-
     (tmp_path / "d" / "nested").mkdir(parents=True)
     for name in ("d/a.parquet", "d/nested/b.parquet", "d/_SUCCESS", "d/.hidden.parquet"):
         (tmp_path / name).write_bytes(b"x")

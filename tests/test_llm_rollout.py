@@ -17,14 +17,14 @@ from mlflow import MlflowClient
 
 from blocks import MLflowServer
 from flows.rollout import serve_rollout
-from tasks.serve import Gates, LLMServing, Serving
-from workloads import registry
-from workloads import serve_control as sc
-from workloads.tiny_llm import DEFAULT_LLM_PYTHON, build_tiny_llm
+from tasks.serve_config import Gates, LLMServing, Serving
+from workloads import registry, serve_control
+from workloads.constants import llm_python
+from workloads.tiny_llm import build_tiny_llm
 
 pytestmark = [pytest.mark.llm, pytest.mark.slow]
 
-LLM_PYTHON = Path(os.environ.get("RLT_LLM_PYTHON") or DEFAULT_LLM_PYTHON)
+LLM_PYTHON = Path(llm_python())
 if not LLM_PYTHON.exists() and not os.environ.get("RLT_REQUIRE_LLM"):
     pytest.skip(f"no LLM venv at {LLM_PYTHON} (`make llm-venv` builds it)", allow_module_level=True)
 
@@ -74,14 +74,14 @@ def llm_model(stack, tmp_path_factory):
         }
     finally:
         with cluster.connect():
-            sc.apply(
+            serve_control.apply(
                 deletes={
                     a
-                    for a in sc.app_configs()
-                    if a.startswith(name) or a == sc.router_app_name(ROUTE)
+                    for a in serve_control.app_configs()
+                    if a.startswith(name) or a == serve_control.router_app_name(ROUTE)
                 }
             )
-            sc.drop_route_stats(ROUTE)
+            serve_control.drop_route_stats(ROUTE)
 
 
 def completion(port: int, model: str, stream: bool = False) -> requests.Response:

@@ -12,17 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from workloads.constants import llm_python
 from workloads.llm import (
     IMPORT_PATH,
     LLMAppArgs,
     build_llm_app,
     llm_app_config,
 )
-from workloads.tiny_llm import DEFAULT_LLM_PYTHON, build_tiny_llm
+from workloads.tiny_llm import build_tiny_llm
 
 pytestmark = [pytest.mark.llm, pytest.mark.slow]
 
-LLM_PYTHON = Path(os.environ.get("RLT_LLM_PYTHON") or DEFAULT_LLM_PYTHON)
+LLM_PYTHON = Path(llm_python())
 if not LLM_PYTHON.exists() and not os.environ.get("RLT_REQUIRE_LLM"):
     pytest.skip(
         f"no LLM venv at {LLM_PYTHON} (`make llm-venv` builds it; set RLT_REQUIRE_LLM=1 "

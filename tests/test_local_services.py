@@ -11,7 +11,7 @@ from pathlib import Path
 from deployments import local
 
 
-def _cli(state_dir: Path, *args: str, ports: tuple[int, int]) -> subprocess.CompletedProcess:
+def _cli(state_dir: Path, *args: str, ports: tuple[int, int, int]) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
@@ -24,6 +24,8 @@ def _cli(state_dir: Path, *args: str, ports: tuple[int, int]) -> subprocess.Comp
             str(ports[0]),
             "--mlflow-port",
             str(ports[1]),
+            "--receiver-port",
+            str(ports[2]),
         ],
         capture_output=True,
         text=True,
@@ -33,21 +35,21 @@ def _cli(state_dir: Path, *args: str, ports: tuple[int, int]) -> subprocess.Comp
 
 
 def test_up_twice_status_down_leaves_nothing_running(tmp_path):
-    ports = tuple(local.free_ports(2))
+    ports = tuple(local.free_ports(3))
+    services = ("prefect", "mlflow", "receiver")
     first = _cli(tmp_path, "up", ports=ports)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert first.stdout.count("started") == 2
+    assert first.stdout.count("started") == len(services)
     pids = [
-        json.loads((tmp_path / "pids" / f"{name}.json").read_text())["pid"]
-        for name in ("prefect", "mlflow")
+        json.loads((tmp_path / "pids" / f"{name}.json").read_text())["pid"] for name in services
     ]
     children = subprocess.run(
         ["pgrep", "-g", ",".join(map(str, pids))], capture_output=True, text=True
     ).stdout.split()
-    assert len(children) >= 2
+    assert len(children) >= len(services)
 
     second = _cli(tmp_path, "up", ports=ports)
-    assert second.returncode == 0 and second.stdout.count("already running") == 2
+    assert second.returncode == 0 and second.stdout.count("already running") == len(services)
 
     status = _cli(tmp_path, "status", ports=ports)
     assert status.returncode == 0
@@ -57,13 +59,13 @@ def test_up_twice_status_down_leaves_nothing_running(tmp_path):
     assert (tmp_path / "prefect").is_dir()
 
     down = _cli(tmp_path, "down", ports=ports)
-    assert down.returncode == 0 and down.stdout.count("stopped") == 2
+    assert down.returncode == 0 and down.stdout.count("stopped") == len(services)
     assert not any(local.process_running(int(pid)) for pid in children)
     assert not list((tmp_path / "pids").glob("*.json"))
 
     after = _cli(tmp_path, "status", ports=ports)
     assert after.returncode == 1 and "down" in after.stdout
-    assert _cli(tmp_path, "down", ports=ports).stdout.count("not running") == 2
+    assert _cli(tmp_path, "down", ports=ports).stdout.count("not running") == len(services)
 
 
 def test_a_port_taken_by_someone_else_is_a_clear_error(tmp_path):
@@ -71,8 +73,8 @@ def test_a_port_taken_by_someone_else_is_a_clear_error(tmp_path):
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         taken = squatter.getsockname()[1]
-        (free,) = local.free_ports(1)
-        result = _cli(tmp_path, "up", ports=(free, taken))
+        free, spare = local.free_ports(2)
+        result = _cli(tmp_path, "up", ports=(free, taken, spare))
     # prefect was started by this call, then stopped again: nothing half up.
     assert result.returncode == 1
     assert f"port {taken}" in result.stderr and "mlflow" in result.stderr

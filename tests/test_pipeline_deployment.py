@@ -21,8 +21,7 @@ from blocks import MLflowServer
 from deployments import lineage as walkback
 from deployments import setup
 from tasks import lineage
-from workloads import registry
-from workloads import serve_control as sc
+from workloads import registry, serve_control
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -128,14 +127,14 @@ def environment(stack):
         setup.stop_worker(stack.state_dir)
         cluster = stack.ray_cluster()
         with cluster.connect():
-            sc.start(cluster.serve_host, cluster.serve_port)
+            serve_control.start(cluster.serve_host, cluster.serve_port)
             apps = {
                 a
-                for a in sc.app_configs()
-                if a.startswith(model_name) or a == sc.router_app_name(ROUTE)
+                for a in serve_control.app_configs()
+                if a.startswith(model_name) or a == serve_control.router_app_name(ROUTE)
             }
-            sc.apply(deletes=apps)
-            sc.drop_route_stats(ROUTE)
+            serve_control.apply(deletes=apps)
+            serve_control.drop_route_stats(ROUTE)
 
 
 def test_train_and_ship_deployment_run_serves_its_version(stack, environment, prefect_client):
@@ -234,7 +233,7 @@ def test_train_and_ship_deployment_run_serves_its_version(stack, environment, pr
 
     # Prefect assets: route <- app <- model version <- experiment.
     cluster, server = stack.ray_cluster(), MLflowServer(tracking_uri=stack.mlflow_uri)
-    app = sc.version_app_name(model_name, "1")
+    app = serve_control.version_app_name(model_name, "1")
     chain = [
         lineage.serve_route_key(cluster, ROUTE),
         lineage.serve_app_key(cluster, app),

@@ -14,9 +14,9 @@ from prefect import flow, task
 from prefect.states import StateType
 
 from blocks import RayCluster
-from blocks.ray_runner import ray_options
 from deployments import local
 from flows.ray_smoke import ray_smoke
+from ray_runner import RayClusterTaskRunner, ray_options
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,7 +84,7 @@ def dying_flow(marker: str, survive_after: int):
 
 def test_a_crashed_worker_is_retried_as_a_recorded_attempt(stack, tmp_path, task_runs):
     marker = tmp_path / "runs.txt"
-    runner = stack.ray_cluster().task_runner(crash_retries=2, crash_backoff_s=0.1)
+    runner = RayClusterTaskRunner(stack.ray_cluster(), crash_retries=2, crash_backoff_s=0.1)
     state = dying_flow.with_options(task_runner=runner)(str(marker), 1, return_state=True)
 
     assert state.is_completed(), state
@@ -99,7 +99,7 @@ def test_a_crashed_worker_is_retried_as_a_recorded_attempt(stack, tmp_path, task
 
 def test_crash_retries_exhausted_end_crashed_without_hidden_reruns(stack, tmp_path, task_runs):
     marker = tmp_path / "runs.txt"
-    runner = stack.ray_cluster().task_runner(crash_retries=1, crash_backoff_s=0.1)
+    runner = RayClusterTaskRunner(stack.ray_cluster(), crash_retries=1, crash_backoff_s=0.1)
     state = dying_flow.with_options(task_runner=runner)(str(marker), 99, return_state=True)
 
     assert not state.is_completed()
@@ -125,7 +125,7 @@ def user_error_flow(marker: str):
 
 def test_a_user_error_follows_the_tasks_own_retries_only(stack, tmp_path):
     marker = tmp_path / "runs.txt"
-    runner = stack.ray_cluster().task_runner(crash_retries=3)
+    runner = RayClusterTaskRunner(stack.ray_cluster(), crash_retries=3)
     state = user_error_flow.with_options(task_runner=runner)(str(marker), return_state=True)
 
     assert state.is_failed()
@@ -191,7 +191,7 @@ def test_ray_resources_timeouts_and_logs_on_the_task_itself(stack, prefect_clien
 
     word = f"w{time.monotonic_ns()}"
     started = time.monotonic()
-    state = execution_flow.with_options(task_runner=stack.ray_cluster().task_runner())(
+    state = execution_flow.with_options(task_runner=RayClusterTaskRunner(stack.ray_cluster()))(
         word, return_state=True
     )
     resources, slow_state = state.result()
@@ -227,6 +227,7 @@ SLEEPER_FLOW = """
 import os, sys, time
 from prefect import flow, task
 from blocks import RayCluster
+from ray_runner import RayClusterTaskRunner
 
 @task
 def sleeper(marker_dir: str, index: int) -> None:
@@ -241,7 +242,7 @@ def sleepers(marker_dir: str):
         future.wait()
 
 if __name__ == "__main__":
-    runner = RayCluster(address=sys.argv[1]).task_runner()
+    runner = RayClusterTaskRunner(RayCluster(address=sys.argv[1]))
     sleepers.with_options(task_runner=runner)(sys.argv[2])
 """
 

@@ -11,9 +11,10 @@ import pytest
 import ray
 from prefect import flow, task
 
-from blocks.ray_runner import (
+from ray_runner import (
     JOB_METADATA_FLOW_RUN_ID,
     RAY_DASHBOARD_ARTIFACT_KEY,
+    RayClusterTaskRunner,
     prefect_ids_in_name,
     ray_task_name,
 )
@@ -45,7 +46,7 @@ def lineage_flow(marker: str) -> str:
 @pytest.fixture(scope="module")
 def lineage_run(stack, task_runs):
     marker = f"m{time.monotonic_ns()}"
-    state = lineage_flow.with_options(task_runner=stack.ray_cluster().task_runner())(
+    state = lineage_flow.with_options(task_runner=RayClusterTaskRunner(stack.ray_cluster()))(
         marker, return_state=True
     )
     assert state.result() == marker

@@ -8,7 +8,7 @@ from pathlib import Path
 from conftest import RAY_HEAD_CPUS
 from prefect import flow, task
 
-from blocks.ray_runner import ray_options
+from ray_runner import RayClusterTaskRunner, ray_options
 
 RETRY_DELAY_S = 8
 
@@ -52,7 +52,7 @@ def retry_flow(marker: str) -> tuple[int, float]:
 
 def test_a_retry_delay_holds_no_cpus_on_ray(stack, tmp_path, task_runs):
     marker = tmp_path / "attempts.txt"
-    state = retry_flow.with_options(task_runner=stack.ray_cluster().task_runner())(
+    state = retry_flow.with_options(task_runner=RayClusterTaskRunner(stack.ray_cluster()))(
         str(marker), return_state=True
     )
     attempts, busy_started = state.result()

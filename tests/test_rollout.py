@@ -17,9 +17,9 @@ from prefect.concurrency.sync import concurrency
 from blocks import MLflowServer
 from flows.reconcile import reconcile
 from flows.rollout import RolloutFailed, serve_rollout
-from tasks.serve import Drill, Gates, Serving
-from workloads import registry
-from workloads import serve_control as sc
+from tasks.serve_config import Drill, Gates, Serving
+from workloads import registry, serve_control
+from workloads.constants import POLICY_DEPLOYMENT
 
 ROUTE = "policy-test"
 OBSERVATION = [0.01, -0.02, 0.03, 0.04]
@@ -118,7 +118,7 @@ def serving(stack, checkpoints):
             observation_size=4,
         )
     with cluster.connect():
-        sc.start(cluster.serve_host, cluster.serve_port)
+        serve_control.start(cluster.serve_host, cluster.serve_port)
         try:
             yield {
                 "cluster": cluster,
@@ -129,10 +129,12 @@ def serving(stack, checkpoints):
             }
         finally:
             apps = [
-                a for a in sc.app_configs() if a.startswith(name) or a == sc.router_app_name(ROUTE)
+                a
+                for a in serve_control.app_configs()
+                if a.startswith(name) or a == serve_control.router_app_name(ROUTE)
             ]
-            sc.apply(deletes=set(apps))
-            sc.drop_route_stats(ROUTE)
+            serve_control.apply(deletes=set(apps))
+            serve_control.drop_route_stats(ROUTE)
 
 
 def rollout(serving, version, **kwargs):
@@ -195,7 +197,7 @@ def test_first_rollout_then_a_good_candidate_swaps_with_zero_failed_requests(ser
     connection.request("GET", f"/{ROUTE}/-/status")
     status = json.loads(connection.getresponse().read())
     assert status["inline_version"] == "2" and status["config"]["live"]["version"] == "2"
-    assert not sc.app_exists(sc.version_app_name(serving["name"], "1"))
+    assert not serve_control.app_exists(serve_control.version_app_name(serving["name"], "1"))
     assert verdict(serving, 2)["verdict"] == "promoted"
     history = registry.alias_history(serving["client"], serving["name"], registry.LIVE)
     assert [h["version"] for h in history] == ["1", "2"]
@@ -215,7 +217,7 @@ def test_a_candidate_whose_health_check_fails_is_rejected_without_a_failed_reque
     assert load.versions() == {"2"}
     tags = verdict(serving, 3)
     assert (tags["verdict"], tags["stage"]) == ("rejected", "health")
-    assert not sc.app_exists(sc.version_app_name(serving["name"], "3"))
+    assert not serve_control.app_exists(serve_control.version_app_name(serving["name"], "3"))
     (event,) = rollout_events(prefect_client, serving, 3, "rejected")
     assert event.payload["stage"] == "health" and event.payload["live"] == "2"
 
@@ -257,7 +259,7 @@ def test_degradation_after_the_swap_is_rolled_back(serving, prefect_client):
     assert failed and {v for _, _, v, _ in failed} == {"5"}
     assert failed[-1][0] - failed[0][0] < 10  # rolled back within seconds
     assert load.results[-1][1:3] == (200, "2")
-    assert not sc.app_exists(sc.version_app_name(serving["name"], "5"))
+    assert not serve_control.app_exists(serve_control.version_app_name(serving["name"], "5"))
     assert rollout_events(prefect_client, serving, 5, "rolled-back")
 
 
@@ -275,8 +277,8 @@ def test_degradation_after_the_swap_is_rolled_back(serving, prefect_client):
 def test_bad_requests_get_4xx_with_a_message_and_the_replica_stays_healthy(
     serving, body, content_type, status, message
 ):
-    app = sc.version_app_name(serving["name"], "2")
-    replicas = sc.deployment_state(app, sc.POLICY_DEPLOYMENT)["replicas"]
+    app = serve_control.version_app_name(serving["name"], "2")
+    replicas = serve_control.deployment_state(app, POLICY_DEPLOYMENT)["replicas"]
     connection = http.client.HTTPConnection("127.0.0.1", serving["port"], timeout=30)
     connection.request("POST", f"/{ROUTE}", body, {"content-type": content_type})
     response = connection.getresponse()
@@ -288,7 +290,7 @@ def test_bad_requests_get_4xx_with_a_message_and_the_replica_stays_healthy(
     connection.request("POST", f"/{ROUTE}", raw, {"content-type": "application/octet-stream"})
     answer = json.loads(connection.getresponse().read())
     assert len(answer["actions"]) == 2 and answer["model_version"] == "2"
-    state = sc.deployment_state(app, sc.POLICY_DEPLOYMENT)
+    state = serve_control.deployment_state(app, POLICY_DEPLOYMENT)
     assert state["replicas"] == replicas and str(state["status"]).endswith("HEALTHY")
 
 
@@ -315,7 +317,7 @@ def test_reconcile_rolls_out_a_manual_champion_and_otherwise_does_nothing(servin
             waiting = threading.Thread(target=lambda: outcome.update(done=reconcile(**common)))
             waiting.start()
             time.sleep(8)
-            assert not sc.app_exists(sc.version_app_name(name, "6"))
+            assert not serve_control.app_exists(serve_control.version_app_name(name, "6"))
         waiting.join(timeout=300)
     done = outcome["done"]
     assert done.action == "rolled_out" and done.rollout.outcome == "promoted"

@@ -18,7 +18,7 @@ from prefect.states import Cancelling, Crashed
 from pydantic import ValidationError
 
 from flows.tune_sweep import tune_sweep
-from tasks.tune import SweepConfig
+from tasks.tune_config import SweepConfig
 from workloads import rllib
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -105,7 +105,8 @@ def test_every_flow_parameter_and_setting_is_described_for_the_ui():
 
 
 def test_stop_conditions_stop_a_trial_at_the_first_one_met():
-    from tasks.tune import StopConditions, SweepStopper
+    from tasks.tune import SweepStopper
+    from tasks.tune_config import StopConditions
 
     stop = StopConditions(env_steps=4000, episode_return=450, trial_seconds=60)
     assert stop.criteria() == {

@@ -1,5 +1,6 @@
 """Canary and bake analysis: a version's request figures judged against thresholds and
-against the live version. Pure functions over the router's figures (workloads.router)."""
+against the live version. Pure functions over the router's figures (workloads.router), and
+the verdict a failed gate raises."""
 
 from __future__ import annotations
 
@@ -7,6 +8,19 @@ from dataclasses import dataclass
 from typing import Any
 
 MIN_BASELINE_REQUESTS = 20
+
+
+class GateFailed(RuntimeError):
+    """A rollout gate said no; `stage` names the gate and the message the reason."""
+
+    def __init__(self, stage: str, reason: str, figures: dict[str, Any] | None = None):
+        super().__init__(f"{stage}: {reason}")
+        self.stage = stage
+        self.reason = reason
+        self.figures = figures or {}
+
+    def __reduce__(self):
+        return (GateFailed, (self.stage, self.reason, self.figures))
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,26 @@ def judge(
         )
     latency = f", p99 {p99:.1f} ms" if p99 is not None else ""
     return Judgement(True, f"{requests} requests, error rate {rate:.1%}{latency}")
+
+
+def judge_llm(
+    candidate: dict[str, Any] | None,
+    live: dict[str, Any] | None,
+    max_ttft_ms: float,
+    min_tokens_per_s_ratio: float,
+) -> str | None:
+    """Why an LLM candidate fails on time to first token or tokens/s, or None. Figures are
+    {ttft_p99_ms, tokens_per_s_p50} of one replica each."""
+    if not candidate or candidate["ttft_p99_ms"] is None:
+        return None
+    if candidate["ttft_p99_ms"] > max_ttft_ms:
+        return (
+            f"time to first token p99 {candidate['ttft_p99_ms']:.0f} ms is above {max_ttft_ms:g} ms"
+        )
+    ours, theirs = candidate["tokens_per_s_p50"], (live or {}).get("tokens_per_s_p50")
+    if ours is not None and theirs and ours < min_tokens_per_s_ratio * theirs:
+        return f"{ours:.0f} tokens/s is below {min_tokens_per_s_ratio:g}x live's {theirs:.0f}"
+    return None
 
 
 def early_failure(

@@ -29,13 +29,17 @@ RAW_TYPE = "application/octet-stream"
 
 class BadRequest(Exception):
     """A request that cannot be acted on: answered with `status` (a 4xx) and `message`,
-    never a 500. `param` names the offending field where there is one."""
+    never a 500. `param` names the offending field where there is one; `code` is a
+    machine-readable reason (OpenAI-style answers carry it)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code
 
 
 def json_response(

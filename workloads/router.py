@@ -21,12 +21,13 @@ import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import ray
 from ray import serve
 
 from workloads.constants import (
+    LLM_DEPLOYMENT,
     POLICY_DEPLOYMENT,
     REQUEST_ID_HEADER,
     ROUTER_DEPLOYMENT,
@@ -49,14 +50,30 @@ STATS_FLUSH_S = 0.25
 LATENCY_SAMPLES = 2000  # per version per flush
 
 
+TargetKind = Literal["policy", "llm"]
+# The Serve deployment a target's app runs, by its kind.
+DEPLOYMENTS: dict[str, str] = {"policy": POLICY_DEPLOYMENT, "llm": LLM_DEPLOYMENT}
+
+
 @dataclass(frozen=True)
 class Target:
-    """A model version's Serve application, and how to load it in process."""
+    """A model version's Serve application (a policy or an LLM, by `kind`), and how to load
+    it in process."""
 
     version: str
     app: str
-    deployment: str
+    kind: TargetKind = "policy"
     model: dict[str, Any] | None = None  # ModelSpec fields; needed to host it in process
+
+    def __post_init__(self):
+        if self.kind not in DEPLOYMENTS:
+            raise ValueError(
+                f"a target's kind must be one of {sorted(DEPLOYMENTS)}, got {self.kind!r}"
+            )
+
+    @property
+    def deployment(self) -> str:
+        return DEPLOYMENTS[self.kind]
 
     @classmethod
     def parse(cls, value: dict[str, Any] | None) -> Target | None:
@@ -67,17 +84,17 @@ class Target:
         model = value.get("model")
         if model is not None:
             ModelSpec.parse(model)
-        return cls(
-            str(value["version"]),
-            str(value["app"]),
-            str(value.get("deployment") or POLICY_DEPLOYMENT),
-            model,
-        )
+        kind = value.get("kind")
+        if kind is None:  # a config written before targets had a kind names the deployment
+            kind = "llm" if value.get("deployment") == LLM_DEPLOYMENT else "policy"
+        return cls(str(value["version"]), str(value["app"]), kind, model)
 
     def as_dict(self) -> dict[str, Any]:
+        # `deployment` too: routers still running the previous code read it.
         return {
             "version": self.version,
             "app": self.app,
+            "kind": self.kind,
             "deployment": self.deployment,
             "model": self.model,
         }
@@ -121,8 +138,9 @@ class RouterConfig:
             raise ValueError("candidate_weight is set but there is no candidate")
         if config.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {config.timeout_s}")
-        if config.inline_live and (config.live is None or config.live.model is None):
-            raise ValueError("inline_live needs a live target with its model spec")
+        live = config.live
+        if config.inline_live and (live is None or live.kind != "policy" or live.model is None):
+            raise ValueError("inline_live needs a live policy target with its model spec")
         return config
 
     def as_dict(self) -> dict[str, Any]:
@@ -224,7 +242,6 @@ class Router:
         self._lock = threading.Lock()
         self._flusher: asyncio.Task | None = None
 
-    # -- configuration ------------------------------------------------------------------
     def reconfigure(self, config: dict[str, Any]) -> None:
         # Serve stops a replica whose reconfigure raises, and calls this twice on a new
         # replica: never raise, and do nothing when nothing changed.
@@ -304,7 +321,6 @@ class Router:
     def check_health(self) -> None:
         pass  # the router holds no model it cannot do without; targets have their own checks
 
-    # -- serving ------------------------------------------------------------------------
     async def __call__(self, request: Any) -> Any:
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self.stats.run())
@@ -312,29 +328,29 @@ class Router:
             return to_response(json_response(200, self.status()))
         started = time.perf_counter()
         req = await request_dict(request, self.max_body_bytes)
-        rid = request_id(req["headers"])
+        req_id = request_id(req["headers"])
         config = self.config
         use_candidate = config.candidate is not None and random.random() < config.candidate_weight
         target = config.candidate if use_candidate else config.live
         if target is None:
             answer = json_response(503, {"error": f"route {self.route} has no live version"})
-            answer["headers"][REQUEST_ID_HEADER] = rid
+            answer["headers"][REQUEST_ID_HEADER] = req_id
             return to_response(answer)
         inline = self.inline
         if not use_candidate and inline is not None and inline.version == target.version:
             answer = inline.answer(req)
         elif _wants_stream(req):
-            return await self._forward_stream(target, req, config.timeout_s, started, rid)
+            return await self._forward_stream(target, req, config.timeout_s, started, req_id)
         else:
             answer = await self._forward(target, req, config.timeout_s)
         self.stats.add(
             target.version, answer["status"] >= 500, (time.perf_counter() - started) * 1000
         )
-        answer["headers"] = tagged_headers(answer["headers"], target.version, rid)
+        answer["headers"] = tagged_headers(answer["headers"], target.version, req_id)
         return to_response(answer)
 
     async def _forward_stream(
-        self, target: Target, req: dict[str, Any], timeout_s: float, started: float, rid: str
+        self, target: Target, req: dict[str, Any], timeout_s: float, started: float, req_id: str
     ) -> Any:
         """Stream a target's chunks through: its first item is {"status", "headers"}; the
         timeout covers the wait for it (time to first token), not the whole stream."""
@@ -355,7 +371,7 @@ class Router:
             )
             answer = json_response(status, {"error": f"v{target.version}: {reason}"})
             self.stats.add(target.version, True, (time.perf_counter() - started) * 1000)
-            answer["headers"] = tagged_headers(answer["headers"], target.version, rid)
+            answer["headers"] = tagged_headers(answer["headers"], target.version, req_id)
             return to_response(answer)
 
         async def chunks():
@@ -369,7 +385,7 @@ class Router:
             finally:
                 self.stats.add(target.version, failed, (time.perf_counter() - started) * 1000)
 
-        headers = tagged_headers(head.get("headers", {}), target.version, rid)
+        headers = tagged_headers(head.get("headers", {}), target.version, req_id)
         return StreamingResponse(chunks(), status_code=head.get("status", 200), headers=headers)
 
     async def _forward(self, target: Target, req: dict[str, Any], timeout_s: float):

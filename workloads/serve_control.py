@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray import serve
+from ray.serve.context import _connect
+from ray.serve.schema import ServeDeploySchema
 
 from workloads.constants import POLICY_DEPLOYMENT, ROUTER_DEPLOYMENT, SERVE_NAMESPACE
 from workloads.router import RouterConfig, stats_actor_name
@@ -25,8 +28,9 @@ ROUTER_IMPORT = "workloads.router:build_router_app"
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
-class ServeGateError(RuntimeError):
-    """A Serve-side gate failed; the message says which and why."""
+class ServeControlError(RuntimeError):
+    """Serve did not do what was asked (a router that never reached its config, a proxy on
+    another port). Not a gate's verdict on a candidate: that is canary.GateFailed."""
 
 
 def version_app_name(model_name: str, version: str) -> str:
@@ -49,14 +53,11 @@ def validate_route(route: str) -> str:
 def start(host: str = "127.0.0.1", port: int = 8000) -> Any:
     """Start Serve (or connect to it) with its HTTP proxy on host:port; returns the client.
     A running Serve keeps its own HTTP options: a different port is an error."""
-    from ray import serve
-    from ray.serve.context import _connect
-
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
     client = _connect()
     config = client.http_config
     if (config.host, config.port) != (host, port):
-        raise ServeGateError(
+        raise ServeControlError(
             f"Serve on this cluster already listens on {config.host}:"
             f"{config.port}, not {host}:{port}"
         )
@@ -74,8 +75,6 @@ def release() -> None:
 
 
 def _client() -> Any:
-    from ray.serve.context import _connect
-
     return _connect()
 
 
@@ -92,8 +91,6 @@ def apply(
 ) -> None:
     """Apply app configs by name and delete apps, keeping every other declarative app.
     Deleted apps are waited for (their replicas gone), up to `wait_deleted_s`."""
-    from ray.serve.schema import ServeDeploySchema
-
     configs = app_configs()
     configs.update(upserts or {})
     for name in deletes:
@@ -154,7 +151,6 @@ def with_user_config(
     return {**app_config, "deployments": deployments}
 
 
-# ---- state ------------------------------------------------------------------------------
 def details() -> dict[str, Any]:
     return _client().get_serve_details()
 
@@ -316,8 +312,6 @@ def _probe(app: str, deployment: str, timeout_s: float = 30.0) -> str | None:
 
 def handle(app: str, deployment: str) -> Any:
     """A DeploymentHandle, kept for this driver's session (`release` shuts them down)."""
-    from ray import serve
-
     key = (app, deployment)
     if key not in _HANDLES:
         _HANDLES[key] = serve.get_deployment_handle(deployment, app)
@@ -334,7 +328,7 @@ def wait_router(
     route: str, generation: int, timeout_s: float = 60.0, inline_version: str | None = None
 ) -> dict[str, Any]:
     """Wait until the router answers with `generation` (and, if given, hosts
-    `inline_version` in process); returns its status. Raises ServeGateError on timeout."""
+    `inline_version` in process); returns its status. Raises ServeControlError on timeout."""
     deadline = time.monotonic() + timeout_s
     last: dict[str, Any] = {}
     while time.monotonic() < deadline:
@@ -350,7 +344,7 @@ def wait_router(
         ):
             return last
         time.sleep(0.2)
-    raise ServeGateError(
+    raise ServeControlError(
         f"router {route} did not reach generation {generation}"
         f"{f' hosting v{inline_version}' if inline_version else ''} within "
         f"{timeout_s:g} s; last status {last}"
@@ -372,3 +366,43 @@ def drop_route_stats(route: str) -> None:
         ray.kill(ray.get_actor(stats_actor_name(route), namespace=SERVE_NAMESPACE))
     except ValueError:
         pass
+
+
+def current_router(route: str) -> RouterConfig | None:
+    """The router's config as deployed (what it serves), or None when there is no router."""
+    config = app_configs().get(router_app_name(route))
+    if config is None:
+        return None
+    for entry in config.get("deployments", []):
+        if entry.get("name") == ROUTER_DEPLOYMENT:
+            return RouterConfig.parse(entry.get("user_config"))
+    return RouterConfig()
+
+
+def write_router(
+    route: str,
+    config: RouterConfig,
+    runtime_env: dict[str, Any],
+    router_options: dict[str, Any],
+    wait_s: float = 60.0,
+    inline_version: str | None = None,
+) -> RouterConfig:
+    """Apply a router config (validated first; a new generation) and wait until the router
+    answers with it. Only user_config changes, so running replicas reconfigure in place.
+    `router_options` are the router app's {num_replicas, num_cpus}."""
+    existing = app_names()
+    for target in (config.live, config.candidate):
+        if target is not None and target.app not in existing:
+            raise RuntimeError(f"router {route}: target app {target.app} does not exist")
+    previous = current_router(route)
+    config = RouterConfig.parse(
+        {**config.as_dict(), "generation": (previous.generation if previous else 0) + 1}
+    )
+    app = router_app_config(route, config, runtime_env, router_options)
+    apply({app["name"]: app})
+    if previous is None:
+        report = wait_stable(app["name"], ROUTER_DEPLOYMENT, timeout_s=120, window_s=0)
+        if not report.healthy:
+            raise RuntimeError(f"router {route} did not start: {report.reason}")
+    wait_router(route, config.generation, timeout_s=wait_s, inline_version=inline_version)
+    return config

@@ -18,8 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_LLM_PYTHON = PROJECT_ROOT / ".venv-llm" / "bin" / "python"
+from workloads.constants import PROJECT_ROOT, llm_python
 
 # The CPU attention backend rejects head_dim 16, hence 4 heads of 32 over a hidden size of 64.
 TINY_LLAMA = {
@@ -71,17 +70,18 @@ def build_tiny_llm(
     out_dir: str | os.PathLike, seed: int = 0, python: str | os.PathLike | None = None
 ) -> Path:
     """Write the tiny model's HF folder to `out_dir` (created) and return its path. Runs in the
-    LLM venv's `python` (default .venv-llm/bin/python) when this one lacks transformers."""
+    LLM venv's `python` (default: workloads.constants.llm_python()) when this one lacks
+    transformers."""
     out = Path(out_dir).resolve()
     if not _has_builder_deps():
-        llm_python = Path(python or os.environ.get("RLT_LLM_PYTHON") or DEFAULT_LLM_PYTHON)
-        if not llm_python.exists():
+        builder = Path(llm_python(os.fspath(python) if python else None))
+        if not builder.exists():
             raise FileNotFoundError(
                 f"building the tiny LLM needs transformers and tokenizers: not in {sys.executable}"
-                f" and no LLM venv python at {llm_python} (run `make llm-venv`)"
+                f" and no LLM venv python at {builder} (run `make llm-venv`)"
             )
         result = subprocess.run(
-            [str(llm_python), "-m", "workloads.tiny_llm", str(out), "--seed", str(seed)],
+            [str(builder), "-m", "workloads.tiny_llm", str(out), "--seed", str(seed)],
             cwd=PROJECT_ROOT,
             capture_output=True,
             text=True,
@@ -90,7 +90,7 @@ def build_tiny_llm(
         )
         if result.returncode != 0:
             raise RuntimeError(
-                f"building the tiny LLM in {llm_python} failed:\n{result.stderr[-3000:]}"
+                f"building the tiny LLM in {builder} failed:\n{result.stderr[-3000:]}"
             )
         return out
     _build_here(out, seed)

@@ -1,0 +1,36 @@
+"""Ray options declared on a Prefect task's function, read by the runner at submit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from prefect.utilities.importtools import lazy_import
+
+# Ray loads on first use (as in prefect-ray): importing a flow module must not pay for it.
+ray = lazy_import("ray")
+
+RAY_OPTIONS_ATTRIBUTE = "__ray_options__"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def ray_options(**options: Any) -> Callable[[F], F]:
+    """Ray resources and options for one Prefect task, on the task itself:
+
+        @task
+        @ray_options(num_cpus=2, memory=2 * 1024**3, runtime_env={"env_vars": {"A": "1"}})
+        def train(...): ...
+
+    Any `ray.remote` option is accepted (num_cpus, num_gpus, memory, resources, runtime_env,
+    scheduling_strategy, ...). prefect-ray's `remote_options` context still wins over these.
+    """
+    unknown = set(options) - set(ray._common.ray_option_utils.task_options)
+    if unknown:
+        raise ValueError(f"unknown Ray task options: {sorted(unknown)}")
+
+    def attach(fn: F) -> F:
+        setattr(fn, RAY_OPTIONS_ATTRIBUTE, dict(options))
+        return fn
+
+    return attach

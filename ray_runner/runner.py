@@ -1,0 +1,236 @@
+"""The task runner: a prefect-ray RayTaskRunner built from a RayCluster block, and its future.
+
+On top of RayTaskRunner it carries the flow's Prefect API into every Ray worker (settings),
+takes Ray options from the task (options), names Ray work after its flow and task runs and
+links the flow run to its Ray job (lineage), posts what Ray tasks log under their task run
+(logs), and re-runs a task whose Ray worker crashed as the next attempt of the same task run
+(worker).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+from uuid import UUID, uuid4
+
+import httpx
+from prefect.client.orchestration import get_client
+from prefect.context import FlowRunContext, serialize_context
+from prefect.exceptions import ObjectNotFound
+from prefect.futures import PrefectFuture
+from prefect.logging.loggers import get_logger
+from prefect.tasks import Task
+from prefect.utilities.engine import collect_task_run_inputs_sync
+from prefect.utilities.importtools import lazy_import
+from prefect_ray.context import RemoteOptionsContext
+from prefect_ray.task_runners import PrefectRayFuture, RayTaskRunner
+
+from blocks.ray_cluster import RayCluster
+from ray_runner.lineage import flow_run_being_started, job_config, link_flow_run, ray_task_name
+from ray_runner.logs import ChildTaskLogs
+from ray_runner.options import RAY_OPTIONS_ATTRIBUTE
+from ray_runner.settings import deep_merge, prefect_api_url, worker_settings_overrides
+from ray_runner.worker import run_on_ray, worker_setup_hook
+
+# Ray loads on first use (as in prefect-ray): importing a flow module must not pay for it.
+ray = lazy_import("ray")
+
+logger = get_logger(__name__)
+
+CRASH_RETRIES = 2  # Ray-level re-runs after a system failure, each recorded in Prefect
+CRASH_BACKOFF_S = 1.0  # first re-run waits this long, then twice as long each time
+
+
+class RayClusterTaskRunner(RayTaskRunner):
+    """A prefect-ray RayTaskRunner on a RayCluster block (an embedded local Ray when None).
+
+    remote_defaults: Ray task options for every task (a task's ray_options and prefect-ray's
+    remote_options win over them). crash_retries: how often Ray re-runs a task whose worker
+    died, each re-run recorded as the next attempt of the same task run; 0 leaves the task
+    run Crashed. crash_backoff_s: the wait before the first re-run, doubled for each next one.
+    """
+
+    def __init__(
+        self,
+        cluster: RayCluster | None = None,
+        *,
+        remote_defaults: dict[str, Any] | None = None,
+        crash_retries: int = CRASH_RETRIES,
+        crash_backoff_s: float = CRASH_BACKOFF_S,
+    ):
+        if crash_retries < 0 or crash_backoff_s < 0:
+            raise ValueError(
+                f"crash_retries ({crash_retries}) and crash_backoff_s "
+                f"({crash_backoff_s}) must be >= 0"
+            )
+        self.cluster = cluster or RayCluster()
+        self.crash_retries = crash_retries
+        self.crash_backoff_s = crash_backoff_s
+        # Ray only retries system failures by default (retry_exceptions is off), and each
+        # re-run is recorded in Prefect by run_on_ray.
+        self.remote_defaults = {**(remote_defaults or {}), "max_retries": crash_retries}
+        self._worker_settings: dict[str, Any] | None = None
+        self._flow_run_id: UUID | None = None
+        self._child_logs = False  # this runner holds a share of ChildTaskLogs' handler
+        super().__init__(
+            address=self.cluster.ray_init_address, init_kwargs=self.cluster.init_kwargs()
+        )
+
+    def duplicate(self) -> RayClusterTaskRunner:
+        return type(self)(
+            self.cluster,
+            remote_defaults=self.remote_defaults,
+            crash_retries=self.crash_retries,
+            crash_backoff_s=self.crash_backoff_s,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, RayClusterTaskRunner)
+            and self.cluster == other.cluster
+            and self.remote_defaults == other.remote_defaults
+            and self.crash_retries == other.crash_retries
+        )
+
+    def __enter__(self) -> RayClusterTaskRunner:
+        self._worker_settings = worker_settings_overrides(prefect_api_url())
+        self.cluster.export_auth_token()
+        # Prefect enters the task runner before it opens the flow run's context: the run
+        # being started is read from the engine (None when not found; linked at first submit).
+        self._flow_run_id = flow_run_being_started()
+        if not ray.is_initialized():  # we start the Ray job: it carries the flow run
+            kwargs = dict(self.init_kwargs)
+            if self._flow_run_id is not None:
+                kwargs["job_config"] = job_config(self._flow_run_id)
+            runtime_env = dict(kwargs.get("runtime_env") or {})
+            runtime_env.setdefault("worker_process_setup_hook", worker_setup_hook())
+            kwargs["runtime_env"] = runtime_env
+            self.init_kwargs = kwargs
+        super().__enter__()
+        self._child_logs = ChildTaskLogs.start(self.worker_settings["api"]["url"])
+        if self._flow_run_id is not None:
+            self._link_flow_run(self._flow_run_id)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            if self._child_logs and self._flow_run_id is not None:
+                ChildTaskLogs.drain(self._flow_run_id)
+        finally:
+            if self._child_logs:
+                self._child_logs = False
+                ChildTaskLogs.stop()
+            super().__exit__(*exc_info)
+
+    def _link_flow_run(self, flow_run_id: UUID) -> None:
+        link_flow_run(flow_run_id, self.cluster, self._ray_context if self._owns_ray else None)
+
+    @property
+    def worker_settings(self) -> dict[str, Any]:
+        if self._worker_settings is None:
+            raise RuntimeError("The task runner must be started before submitting work.")
+        return self._worker_settings
+
+    def submit(
+        self,
+        task: Task[Any, Any],
+        parameters: dict[str, Any],
+        wait_for: Iterable[PrefectFuture[Any]] | None = None,
+        dependencies: dict[str, set[Any]] | None = None,
+    ) -> PrefectRayFuture[Any]:
+        # Mirrors RayTaskRunner.submit, plus: worker settings, Ray-level defaults, and the
+        # flow run id in the Ray task name so the dashboard ties each task to its flow run.
+        if not self._started:
+            raise RuntimeError("The task runner must be started before submitting work.")
+        task_run_id = uuid4()
+        task_inputs = {
+            k: collect_task_run_inputs_sync(v, future_cls=PrefectRayFuture)
+            for k, v in parameters.items()
+        }
+        context = serialize_context(
+            asset_ctx_kwargs={
+                "task": task,
+                "task_run_id": task_run_id,
+                "task_inputs": task_inputs,
+                "copy_to_child_ctx": True,
+            }
+        )
+        settings_context = context.get("settings_context") or {}
+        settings_context["settings"] = deep_merge(
+            settings_context.get("settings") or {}, self.worker_settings
+        )
+        context["settings_context"] = settings_context
+
+        parameters, upstream_refs = self._exchange_prefect_for_ray_futures(parameters)
+        options = {
+            **self.remote_defaults,
+            **getattr(task.fn, RAY_OPTIONS_ATTRIBUTE, {}),
+            **RemoteOptionsContext.get().current_remote_options,
+        }
+        flow_run = FlowRunContext.get()
+        flow_run_id = flow_run.flow_run.id if flow_run and flow_run.flow_run else None
+        if flow_run_id is not None and self._flow_run_id is None:
+            # Not found while entering: linked at the first submit instead.
+            self._flow_run_id = flow_run_id
+            self._link_flow_run(flow_run_id)
+        name = (
+            task.name if flow_run_id is None else ray_task_name(task.name, flow_run_id, task_run_id)
+        )
+        object_ref = (
+            ray.remote(**options)(run_on_ray)
+            .options(name=name)
+            .remote(
+                *upstream_refs,
+                task=task,
+                task_run_id=task_run_id,
+                parameters=parameters,
+                wait_for=wait_for,
+                dependencies=dependencies,
+                context=context,
+                crash_backoff_s=self.crash_backoff_s,
+            )
+        )
+        future = CrashRecordingRayFuture(task_run_id=task_run_id, wrapped_future=object_ref)
+        future.task = task
+        future.flow_run_id = flow_run_id
+        return future
+
+
+class CrashRecordingRayFuture(PrefectRayFuture):
+    """A PrefectRayFuture that, when Ray gives up on a crashed task, also records Crashed in
+    the API (stock prefect-ray only keeps it in the flow process, and the UI shows Running,
+    or nothing at all when the dead worker never sent its events)."""
+
+    task: Task[Any, Any] | None = None
+    flow_run_id: UUID | None = None
+
+    def wait(self, timeout: float | None = None) -> None:
+        super().wait(timeout)
+        self._record_crash()
+
+    def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
+        if self._final_state is None:
+            self.wait(timeout)
+        return super().result(timeout=timeout, raise_on_failure=raise_on_failure)
+
+    def _record_crash(self) -> None:
+        state = self._final_state
+        if state is None or not state.is_crashed() or getattr(self, "_crash_recorded", False):
+            return
+        self._crash_recorded = True
+        try:
+            with get_client(sync_client=True) as client:
+                try:
+                    client.set_task_run_state(self.task_run_id, state, force=True)
+                except (ObjectNotFound, httpx.HTTPStatusError) as missing:
+                    if getattr(getattr(missing, "response", None), "status_code", 404) != 404:
+                        raise
+                    client.create_task_run(
+                        self.task,
+                        self.flow_run_id,
+                        dynamic_key=str(self.task_run_id),
+                        id=self.task_run_id,
+                        state=state,
+                    )
+        except Exception as error:  # the flow still sees Crashed; only the UI lags
+            logger.warning("Could not record Crashed for task run %s: %s", self.task_run_id, error)

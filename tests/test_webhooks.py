@@ -1,0 +1,433 @@
+"""MLflow registry webhooks -> deployments.receiver -> Prefect events -> the reconcile trigger.
+
+A real alias move in MLflow becomes exactly one Prefect event; forged, stale, replayed,
+malformed and oversized deliveries are refused with a JSON 4xx and leave no event; the
+receiver's HTTP surface never answers 5xx to bad input; `deployments.setup` keeps one webhook
+in MLflow, and `prefect deploy` creates the reconcile trigger, which a moved champion fires.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from mlflow import MlflowClient
+from prefect.events.filters import EventFilter, EventIDFilter, EventResourceFilter
+from prefect.settings import PREFECT_API_URL, temporary_settings
+from starlette.testclient import TestClient
+
+from blocks import MLflowWebhook
+from blocks.mlflow_webhook import DEFAULT_EVENTS
+from deployments import local, receiver, setup
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PREFECT = str(Path(sys.executable).parent / "prefect")
+ALIAS_CREATED = "mlflow.model_version_alias.created"
+TRIGGER = "reconcile-on-champion-moved"
+TRIGGERED_MODEL = "cartpole-ppo"  # the model prefect.yaml's reconcile trigger watches
+
+pytestmark = pytest.mark.slow
+
+
+def environment(stack) -> setup.Environment:
+    return setup.Environment(
+        ray_address=stack.ray_address,
+        mlflow_uri=stack.mlflow_uri,
+        ray_token=stack.ray_token,
+        ray_dashboard_url=stack.ray_dashboard_url,
+        serve_port=stack.serve_port,
+        receiver_url=stack.webhook_url,
+    )
+
+
+def our_webhooks(client: MlflowClient, name: str) -> list:
+    return [hook for hook in client.list_webhooks(max_results=1000) if hook.name == name]
+
+
+@pytest.fixture(scope="module")
+def webhook(stack):
+    """The MLflowWebhook block and MLflow's webhook, as `deployments.setup` makes them; the
+    webhook is deleted afterwards so later modules' alias moves stay quiet."""
+    setup.ensure_webhook(environment(stack))
+    block = MLflowWebhook.load(setup.BLOCK_NAME)
+    yield block
+    client = MlflowClient(stack.mlflow_uri)
+    for hook in our_webhooks(client, block.webhook_name):
+        client.delete_webhook(hook.webhook_id)
+
+
+def registered_version(client: MlflowClient, name: str) -> str:
+    """A registered model `name` with one new version (a tiny artifact), its number."""
+    if not client.search_registered_models(f"name = '{name}'"):
+        client.create_registered_model(name)
+    experiment = client.get_experiment_by_name("webhook-tests")
+    experiment_id = (
+        experiment.experiment_id if experiment else client.create_experiment("webhook-tests")
+    )
+    run = client.create_run(experiment_id)
+    client.log_text(run.info.run_id, "tiny", "model/MLmodel")
+    client.set_terminated(run.info.run_id)
+    version = client.create_model_version(
+        name, f"{run.info.artifact_uri}/model", run_id=run.info.run_id
+    )
+    return version.version
+
+
+def delivery(
+    name: str, alias: str | None = "champion", version: str | None = "1", **fields
+) -> bytes:
+    data = {"name": name, "alias": alias, "version": version}
+    body = {
+        "entity": "model_version_alias",
+        "action": "created",
+        "timestamp": "2026-01-01T00:00:00+00:00",
+        "data": {k: v for k, v in data.items() if v is not None},
+        **fields,
+    }
+    return json.dumps(body).encode()
+
+
+def signed_headers(
+    block: MLflowWebhook,
+    body: bytes,
+    delivery_id: str | None = None,
+    timestamp: int | None = None,
+) -> dict[str, str]:
+    delivery_id = delivery_id or str(uuid.uuid4())
+    stamp = str(int(time.time()) if timestamp is None else timestamp)
+    return {
+        "content-type": "application/json",
+        "X-MLflow-Delivery-Id": delivery_id,
+        "X-MLflow-Timestamp": stamp,
+        "X-MLflow-Signature": block.signature(delivery_id, stamp, body),
+    }
+
+
+def read_events(prefect_client, *, resource_id: str | None = None, ids=None) -> list:
+    flt = EventFilter(
+        resource=EventResourceFilter(id=[resource_id]) if resource_id else None,
+        id=EventIDFilter(id=list(ids or [])),
+    )
+    return prefect_client.read_events(filter=flt, limit=50).events
+
+
+def wait_events(prefect_client, resource_id: str, ready, timeout: float = 60.0) -> list:
+    """The resource's events once `ready(events)` holds (events land asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        events = read_events(prefect_client, resource_id=resource_id)
+        if ready(events):
+            return events
+        if time.monotonic() > deadline:
+            pytest.fail(f"events of {resource_id} after {timeout:.0f} s: {events}")
+        time.sleep(0.5)
+
+
+def assert_json_error(response: httpx.Response, status: int) -> None:
+    assert response.status_code == status, (response.status_code, response.text)
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert isinstance(error, str) and error, response.text
+
+
+def test_the_signature_is_the_one_mlflow_sends():
+    from mlflow.webhooks.delivery import _generate_hmac_signature
+
+    block = MLflowWebhook(secret="s3cret")
+    payload = json.dumps({"data": {"name": "m\u00e9"}})
+    expected = _generate_hmac_signature("s3cret", "id-1", "1700000000", payload)
+    assert block.signature("id-1", "1700000000", payload.encode()) == expected
+    assert block.verify(expected, "id-1", "1700000000", payload.encode())
+    assert not block.verify(expected, "id-2", "1700000000", payload.encode())
+
+
+def test_a_real_alias_move_becomes_exactly_one_event(stack, webhook, prefect_client):
+    client = MlflowClient(stack.mlflow_uri)
+    name = f"hooked-{uuid.uuid4().hex[:6]}"
+    version = registered_version(client, name)
+    client.set_registered_model_alias(name, "champion", version)
+    resource_id = f"mlflow.registered-model.{name}"
+
+    def has_both(events):
+        names = {e.event for e in events}
+        return {ALIAS_CREATED, "mlflow.model_version.created"} <= names
+
+    wait_events(prefect_client, resource_id, has_both)
+    time.sleep(3)  # a duplicate would have landed by now
+    events = read_events(prefect_client, resource_id=resource_id)
+    moved = [e for e in events if e.event == ALIAS_CREATED]
+    assert len(moved) == 1, events
+    assert [e.event for e in events].count("mlflow.model_version.created") == 1
+    event = moved[0]
+    assert dict(event.resource) == {
+        "prefect.resource.id": resource_id,
+        "prefect.resource.name": name,
+        "mlflow.alias": "champion",
+        "mlflow.version": version,
+    }
+    payload = dict(event.payload)
+    delivery_id = payload.pop("delivery_id")
+    assert event.id == receiver.event_id(delivery_id)
+    assert payload.pop("mlflow_timestamp")
+    assert payload == {"name": name, "alias": "champion", "version": version}
+
+
+def test_bad_deliveries_are_refused_with_json_and_leave_no_event(stack, webhook, prefect_client):
+    url = stack.webhook_url
+    max_age = webhook.max_age_s
+    forged = MLflowWebhook(secret="not-the-secret")
+    refused: list[str] = []  # delivery ids that must not become events
+
+    def post(body: bytes, headers: dict[str, str], status: int) -> None:
+        response = httpx.post(url, content=body, headers=headers, timeout=30)
+        assert_json_error(response, status)
+        if "X-MLflow-Delivery-Id" in headers:
+            refused.append(headers["X-MLflow-Delivery-Id"])
+
+    body = delivery(f"refused-{uuid.uuid4().hex[:6]}")
+    unsigned = signed_headers(webhook, body)
+    del unsigned["X-MLflow-Signature"]
+    post(body, unsigned, 401)
+    post(body, signed_headers(forged, body), 401)
+    tampered = signed_headers(webhook, body)
+    post(body.replace(b"champion", b"champio_"), tampered, 401)
+    post(body, signed_headers(webhook, body, timestamp=int(time.time()) - max_age - 60), 401)
+    post(body, signed_headers(webhook, body, timestamp=int(time.time()) + max_age + 60), 401)
+    post(b'{"entity": "model_', signed_headers(webhook, b'{"entity": "model_'), 400)
+    nameless = delivery(f"refused-{uuid.uuid4().hex[:6]}", data={"alias": "champion"})
+    post(nameless, signed_headers(webhook, nameless), 422)
+    post(body, {**signed_headers(webhook, body), "content-type": "text/plain"}, 415)
+    huge = b'{"pad": "' + b"x" * (receiver.MAX_DELIVERY_BYTES + 10) + b'"}'
+    post(huge, signed_headers(webhook, huge), 413)
+
+    def chunks():  # no Content-Length: the receiver stops reading past the limit
+        for _ in range(40):
+            yield b"x" * 10_000
+
+    chunked = httpx.post(url, content=chunks(), headers=signed_headers(webhook, b""), timeout=30)
+    assert_json_error(chunked, 413)
+    assert_json_error(httpx.get(url, timeout=30), 405)
+    assert_json_error(httpx.post(f"{stack.receiver_url}/elsewhere", timeout=30), 404)
+
+    # A replayed delivery id is refused; the first delivery is the one event.
+    name = f"replayed-{uuid.uuid4().hex[:6]}"
+    body = delivery(name)
+    headers = signed_headers(webhook, body)
+    first = httpx.post(url, content=body, headers=headers, timeout=30)
+    assert first.status_code == 200, first.text
+    assert first.json()["event_id"] == str(receiver.event_id(headers["X-MLflow-Delivery-Id"]))
+    post(body, headers, 409)
+    refused.pop()  # that id did become (one) event
+    resource_id = f"mlflow.registered-model.{name}"
+    wait_events(prefect_client, resource_id, lambda events: len(events) >= 1)
+    time.sleep(2)  # the refused ones were sent earlier; anything of theirs has landed too
+    assert len(read_events(prefect_client, resource_id=resource_id)) == 1
+    ids = [receiver.event_id(delivery_id) for delivery_id in refused]
+    assert read_events(prefect_client, ids=ids) == []
+    health = httpx.get(f"{stack.receiver_url}{local.RECEIVER_HEALTH_PATH}", timeout=30)
+    assert health.status_code == 200 and health.json()
+
+
+@pytest.fixture(scope="module")
+def in_process():
+    """The receiver app in this process with a fixed secret; events go to the session's
+    Prefect (conftest points PREFECT_API_URL there)."""
+    block = MLflowWebhook(secret="in-process-secret")
+    app = receiver.create_app(webhook=block)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, block
+
+
+def _mostly(usual: st.SearchStrategy, odd: st.SearchStrategy) -> st.SearchStrategy:
+    """`usual` about four times in five, so most examples get deep into the checks."""
+    return st.floats(0, 1).flatmap(lambda share: odd if share > 0.8 else usual)
+
+
+_PRINTABLE = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=40)
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(), children),
+    max_leaves=40,
+)
+_NEAR_VALID = st.fixed_dictionaries(
+    {
+        "entity": _mostly(st.sampled_from(["model_version_alias", "model_version"]), _JSON),
+        "action": _mostly(st.sampled_from(["created", "deleted"]), _JSON),
+        "timestamp": _mostly(st.just("2026-01-01T00:00:00+00:00"), _JSON),
+        "data": _mostly(
+            st.fixed_dictionaries(
+                {"name": _mostly(st.text(min_size=1, max_size=40), _JSON)},
+                optional={
+                    "alias": _mostly(st.text(max_size=40), _JSON),
+                    "version": _mostly(st.integers(1, 10**6).map(str), _JSON),
+                },
+            ),
+            _JSON,
+        ),
+    }
+)
+_NASTY = st.sampled_from(
+    [
+        b'{"n": NaN}',
+        b'{"n": 1' + b"0" * 5000 + b"}",
+        b"[" * 100_000,
+        b'{"n": 1e999999}',
+        b"\xff\xfe\x00",
+        b"\xef\xbb\xbf{}",
+        b"",
+    ]
+)
+_BODIES = _mostly(
+    _NEAR_VALID.map(lambda value: json.dumps(value).encode()),
+    st.binary(max_size=2000) | _JSON.map(lambda value: json.dumps(value).encode()) | _NASTY,
+)
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    method=_mostly(st.just("POST"), st.sampled_from(["GET", "PUT", "DELETE", "PATCH"])),
+    path=_mostly(
+        st.just("/mlflow"), st.sampled_from(["/health", "/"]) | _PRINTABLE.map("/x/".__add__)
+    ),
+    body=_BODIES,
+    signature=_mostly(st.just("right"), st.sampled_from(["wrong", "missing"]) | _PRINTABLE),
+    timestamp=_mostly(
+        st.just("now"),
+        st.sampled_from(["missing", "1e9", "99999999999999999999"])
+        | st.integers(-(10**12), 10**12).map(str),
+    ),
+    delivery_id=_mostly(st.just("fresh"), st.sampled_from(["missing", ""]) | _PRINTABLE),
+    content_type=_mostly(st.just("application/json"), st.just("missing") | _PRINTABLE),
+)
+def test_the_receiver_never_answers_5xx_to_bad_input(
+    in_process, method, path, body, signature, timestamp, delivery_id, content_type
+):
+    client, block = in_process
+    stamp = str(int(time.time())) if timestamp == "now" else timestamp
+    delivery_id = str(uuid.uuid4()) if delivery_id == "fresh" else delivery_id  # never a replay
+    headers = {"X-MLflow-Timestamp": stamp, "X-MLflow-Delivery-Id": delivery_id}
+    headers["content-type"] = content_type
+    if signature == "right":
+        headers["X-MLflow-Signature"] = block.signature(delivery_id, stamp, body)
+    elif signature == "wrong":
+        headers["X-MLflow-Signature"] = MLflowWebhook(secret="x").signature(delivery_id, stamp, b"")
+    else:
+        headers["X-MLflow-Signature"] = signature
+    headers = {k: v for k, v in headers.items() if v != "missing"}
+    response = client.request(method, path, content=body, headers=headers)
+    event(f"status {response.status_code}")
+    assert response.status_code < 500, (response.status_code, response.text)
+    if response.status_code >= 400:
+        assert_json_error(response, response.status_code)
+    else:
+        assert response.json()
+
+
+def test_no_block_or_no_prefect_is_a_503_that_mlflow_retries(prefect_client):
+    block = MLflowWebhook(secret="in-process-secret")
+    body = delivery(f"deferred-{uuid.uuid4().hex[:6]}")
+    app = receiver.create_app(block_name=f"missing-{uuid.uuid4().hex[:6]}")
+    with TestClient(app) as client:
+        response = client.post("/mlflow", content=body, headers=signed_headers(block, body))
+    assert_json_error(response, 503)
+    assert response.headers["retry-after"]
+    (port,) = local.free_ports(1)
+    with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{port}/api"}):
+        with TestClient(receiver.create_app(webhook=block)) as client:
+            headers = signed_headers(block, body)
+            response = client.post("/mlflow", content=body, headers=headers)
+    assert_json_error(response, 503)
+    # MLflow's retry of that delivery goes through once Prefect answers.
+    with TestClient(receiver.create_app(webhook=block)) as client:
+        assert client.post("/mlflow", content=body, headers=headers).status_code == 200
+
+
+def test_a_rotated_secret_is_picked_up_without_a_restart(prefect_client):
+    name = f"rotation-{uuid.uuid4().hex[:6]}"
+    old = MLflowWebhook(secret="old-secret")
+    new = MLflowWebhook(secret="new-secret")
+    body = delivery(f"rotated-{uuid.uuid4().hex[:6]}")
+    old.save(name)
+    app = receiver.create_app(block_name=name, secret_refresh_s=0.2)
+    with TestClient(app) as client:
+        assert client.post("/mlflow", content=body, headers=signed_headers(old, body)).is_success
+        new.save(name, overwrite=True)
+        time.sleep(0.3)
+        assert client.post("/mlflow", content=body, headers=signed_headers(new, body)).is_success
+        stale = client.post("/mlflow", content=body, headers=signed_headers(old, body))
+        assert_json_error(stale, 401)
+
+
+def test_setup_keeps_one_webhook_and_deploy_creates_the_reconcile_trigger(
+    stack, webhook, prefect_client
+):
+    env = environment(stack)
+    assert setup.ensure_webhook(env) == setup.ensure_webhook(env)  # idempotent
+    client = MlflowClient(stack.mlflow_uri)
+    (hook,) = our_webhooks(client, webhook.webhook_name)
+    assert hook.url == stack.webhook_url
+    assert sorted(str(event) for event in hook.events) == sorted(DEFAULT_EVENTS)
+    assert MLflowWebhook.load(setup.BLOCK_NAME).secret == webhook.secret  # made once, kept
+
+    setup.save_blocks(env)
+    setup.ensure_work_pool(env.work_pool)
+    done = subprocess.run(
+        [PREFECT, "--no-prompt", "deploy", "--all"],
+        env={**os.environ},
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    deployment = prefect_client.read_deployment_by_name("reconcile/reconcile")
+    (automation,) = prefect_client.read_automations_by_name(TRIGGER)
+    assert automation.enabled
+    assert automation.trigger.expect == {ALIAS_CREATED}
+    assert automation.trigger.match.root == {
+        "prefect.resource.id": f"mlflow.registered-model.{TRIGGERED_MODEL}",
+        "mlflow.alias": "champion",
+    }
+    (action,) = automation.actions
+    assert action.deployment_id == deployment.id
+    assert action.parameters == {"model_name": "{{ event.payload.name }}"}
+    schedules = prefect_client.read_deployment_schedules(deployment.id)
+    assert schedules and not any(s.active for s in schedules)  # the net stays off by default
+
+    # And it fires: the champion moved in MLflow starts a reconcile run for that model.
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    only_reconcile = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+    before = {run.id for run in prefect_client.read_flow_runs(deployment_filter=only_reconcile)}
+    version = registered_version(client, TRIGGERED_MODEL)
+    client.set_registered_model_alias(TRIGGERED_MODEL, "champion", version)
+    deadline = time.monotonic() + 60
+    triggered = []
+    try:
+        while not triggered and time.monotonic() < deadline:
+            time.sleep(1)
+            runs = prefect_client.read_flow_runs(deployment_filter=only_reconcile)
+            triggered = [run for run in runs if run.id not in before]
+        assert len(triggered) == 1, "no reconcile run within 60 s of the champion move"
+        assert triggered[0].parameters["model_name"] == TRIGGERED_MODEL
+    finally:  # never leave a run for a later test's worker to pick up
+        for run in triggered:
+            prefect_client.delete_flow_run(run.id)
+        client.delete_registered_model(TRIGGERED_MODEL)

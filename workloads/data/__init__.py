@@ -1,0 +1,49 @@
+"""Dataset prep on Ray Data: source files, schema, per-file checks, the pipeline, publishing."""
+
+from workloads.data.checks import QUARANTINE_DIR, FileCheck, check_file
+from workloads.data.pipeline import (
+    PipelineSpec,
+    RowFilter,
+    StagedCounts,
+    TransformContractError,
+    load_transform,
+    run_pipeline,
+    split_of,
+    transform_source,
+)
+from workloads.data.publish import discard, publish, read_manifest, staging_path
+from workloads.data.schema import resolve_schema, summarize_source
+from workloads.data.source import (
+    SourceError,
+    SourceFiles,
+    content_fingerprint,
+    filesystem_and_path,
+    resolve_source,
+    to_uri,
+)
+
+__all__ = [
+    "QUARANTINE_DIR",
+    "FileCheck",
+    "PipelineSpec",
+    "RowFilter",
+    "SourceError",
+    "SourceFiles",
+    "StagedCounts",
+    "TransformContractError",
+    "check_file",
+    "content_fingerprint",
+    "discard",
+    "filesystem_and_path",
+    "load_transform",
+    "publish",
+    "read_manifest",
+    "resolve_schema",
+    "resolve_source",
+    "run_pipeline",
+    "split_of",
+    "staging_path",
+    "summarize_source",
+    "to_uri",
+    "transform_source",
+]

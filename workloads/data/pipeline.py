@@ -1,0 +1,367 @@
+"""The Ray Data pipeline: row validation, filters, the user transform and a stable hash split,
+batch by batch, written into a staging folder. The batch functions run inside Ray Data workers
+on any cluster."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from workloads.data.checks import (
+    QUARANTINE_DIR,
+    QUARANTINE_SCHEMA,
+    quarantine_table,
+    row_json,
+    write_quarantine,
+)
+from workloads.data.schema import cast_column, parse_json_lines, skip_malformed
+from workloads.data.source import data_files
+
+SPLIT_COLUMN = "split"
+SPLITS = ("train", "eval")
+# Hash space for the split: a key goes to eval when its hash falls below ratio * this.
+SPLIT_BUCKETS = 2**32
+# Reasons kept in a summary (and in an error message) so a reader sees the first problems.
+FIRST_REASONS = 5
+
+
+class TransformContractError(RuntimeError):
+    """A transform broke its contract (one output row per input row); fails the whole job."""
+
+
+@dataclass(frozen=True)
+class RowFilter:
+    """Keep rows where `column op value` holds (rows with a null there are dropped)."""
+
+    column: str
+    op: str
+    value: Any
+
+    OPS = ("==", "!=", "<", "<=", ">", ">=", "in", "not in")
+
+    def mask(self, table: pa.Table) -> pa.Array:
+        column = table[self.column]
+        functions = {
+            "==": pc.equal,
+            "!=": pc.not_equal,
+            "<": pc.less,
+            "<=": pc.less_equal,
+            ">": pc.greater,
+            ">=": pc.greater_equal,
+        }
+        if self.op in functions:
+            return functions[self.op](column, pa.scalar(self.value, type=column.type))
+        values = pa.array(list(self.value), type=column.type)
+        matched = pc.is_in(column, value_set=values)
+        return matched if self.op == "in" else pc.invert(matched)
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """Everything a Ray Data worker needs to prepare a batch; pickled into each task."""
+
+    format: str
+    schema: dict[str, str]
+    required: tuple[str, ...] = ()
+    filters: tuple[RowFilter, ...] = ()
+    transform: str | None = None
+    transform_kwargs: dict[str, Any] = field(default_factory=dict)
+    batch_format: str = "pandas"
+    split_key: str | None = None
+    eval_fraction: float = 0.1
+
+
+def load_transform(path: str) -> Callable[..., Any]:
+    """`module:function` to the function; raises ValueError naming the path."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"transform {path!r} must look like 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"transform {path!r} cannot be loaded: {error}") from error
+    if not callable(fn):
+        raise ValueError(f"transform {path!r} is not callable")
+    return fn
+
+
+def transform_source(path: str | None) -> str:
+    """The source of the transform's whole module: helpers it calls change results too."""
+    if path is None:
+        return ""
+    return inspect.getsource(importlib.import_module(path.partition(":")[0]))
+
+
+def validate(raw: pa.Table, spec: PipelineSpec, bad: dict[int, tuple[str, str]]) -> pa.Table:
+    """Cast `raw` to the schema; record the first problem of each bad row in `bad`."""
+    columns = {}
+    for name, tname in spec.schema.items():
+        column = raw[name].combine_chunks() if isinstance(raw[name], pa.ChunkedArray) else raw[name]
+        cast, unparsable = cast_column(column, tname)
+        for i in unparsable:
+            bad.setdefault(i, (f"wrong type in {name!r}", f"{column[i].as_py()!r} is not {tname}"))
+        columns[name] = cast
+    typed = pa.table(columns)
+    for name in spec.required:
+        for i in pc.is_null(typed[name]).to_numpy(zero_copy_only=False).nonzero()[0]:
+            bad.setdefault(int(i), (f"null in required column {name!r}", "null"))
+    return typed
+
+
+def split_of(keys: pa.Array | pa.ChunkedArray, eval_fraction: float) -> pa.Array:
+    """'train' or 'eval' per key, from a hash of the key: stable across runs, batches,
+    processes and machines (pandas' hash_array is seeded with a fixed key). Integer keys hash
+    as int64 (fast, vectorised); others hash as their text; null keys hash like 0 or ''."""
+    # pandas only inside Ray Data workers: the flow process plans without loading it.
+    import pandas as pd
+
+    if pa.types.is_integer(keys.type):
+        values = pc.fill_null(keys.cast(pa.int64()), 0).to_numpy()
+    else:
+        values = (
+            pc.fill_null(pc.cast(keys, pa.string()), "")
+            .to_numpy(zero_copy_only=False)
+            .astype(object)
+        )
+    is_eval = pd.util.hash_array(values) % SPLIT_BUCKETS < eval_fraction * SPLIT_BUCKETS
+    return pc.if_else(pa.array(is_eval, pa.bool_()), "eval", "train")
+
+
+def _to_format(table: pa.Table, batch_format: str) -> Any:
+    return table.to_pandas() if batch_format == "pandas" else table
+
+
+def _to_arrow(batch: Any) -> pa.Table:
+    if isinstance(batch, pa.Table):
+        return batch
+    if isinstance(batch, dict):
+        return pa.table(batch)
+    return pa.Table.from_pandas(batch, preserve_index=False)
+
+
+def apply_transform(
+    fn: Callable[..., Any],
+    table: pa.Table,
+    spec: PipelineSpec,
+    bad: dict[int, tuple[str, str]],
+    index: list[int],
+) -> list[pa.Table]:
+    """Transform `table`; when it raises, bisect to the rows that make it raise and record
+    them in `bad` (keyed by `index`, their rows in the batch). Returns the good outputs."""
+    if table.num_rows == 0:
+        return []
+    try:
+        out = _to_arrow(fn(_to_format(table, spec.batch_format), **spec.transform_kwargs))
+    except Exception as error:  # noqa: BLE001 - any error of user code marks its rows
+        if table.num_rows == 1:
+            bad[index[0]] = (f"transform raised {type(error).__name__}", str(error)[:500])
+            return []
+        half = table.num_rows // 2
+        return apply_transform(fn, table.slice(0, half), spec, bad, index[:half]) + apply_transform(
+            fn, table.slice(half), spec, bad, index[half:]
+        )
+    if out.num_rows != table.num_rows:
+        raise TransformContractError(
+            f"transform {spec.transform!r} returned {out.num_rows} rows for {table.num_rows}; "
+            f"a transform must return one row per input row (filter with `filters`)"
+        )
+    return [
+        out.append_column(SPLIT_COLUMN, split_of(table[spec.split_key], spec.eval_fraction))
+        if spec.split_key
+        else out
+    ]
+
+
+def prepare_batch(
+    batch: pa.Table, spec: PipelineSpec, filesystem: pafs.FileSystem, quarantine_dir: str
+) -> pa.Table:
+    """One Ray Data batch: parse, validate, filter, transform and split; bad rows go to a
+    quarantine file, good rows come back with their split."""
+    bad: dict[int, tuple[str, str]] = {}
+    raw = batch
+    if spec.format == "json":
+        raw, bad = parse_json_lines(batch["text"].combine_chunks(), spec.schema)
+    typed = validate(raw, spec, bad)
+    keep = pa.array([i not in bad for i in range(typed.num_rows)]) if bad else None
+    for row_filter in spec.filters:
+        mask = pc.fill_null(row_filter.mask(typed), False)
+        keep = mask if keep is None else pc.and_(keep, mask)
+    positions = (
+        list(range(typed.num_rows))
+        if keep is None
+        else [int(i) for i in keep.to_numpy(zero_copy_only=False).nonzero()[0]]
+    )
+    good = typed if keep is None else typed.take(pa.array(positions, pa.int64()))
+    if spec.transform:
+        outputs = apply_transform(load_transform(spec.transform), good, spec, bad, positions)
+    elif good.num_rows:
+        outputs = [
+            good.append_column(SPLIT_COLUMN, split_of(good[spec.split_key], spec.eval_fraction))
+            if spec.split_key
+            else good
+        ]
+    else:
+        outputs = []
+    if bad:
+        order = sorted(bad)
+        rows = (
+            batch["text"].take(order).to_pylist()
+            if spec.format == "json"
+            else [row_json(r) for r in batch.take(order).to_pylist()]
+        )
+        table = quarantine_table(None, [bad[i][0] for i in order], [bad[i][1] for i in order], rows)
+        # Named by content, so a retried Ray task rewrites its file instead of adding one.
+        digest = hashlib.sha256(str(batch.num_rows).encode())
+        for value in rows:
+            digest.update(value.encode())
+        write_quarantine(filesystem, quarantine_dir, table, "rows-" + digest.hexdigest()[:24])
+    if not outputs:
+        return _empty_like(typed)
+    return pa.concat_tables(outputs, promote_options="default")
+
+
+def _empty_like(typed: pa.Table) -> pa.Table:
+    # A batch without good rows: an empty table the writer skips.
+    return typed.slice(0, 0).append_column(SPLIT_COLUMN, pa.array([], pa.string()))
+
+
+def read_dataset(filesystem: pafs.FileSystem, paths: list[str], spec: PipelineSpec):
+    """A Ray Dataset over the files, with schema columns read as the pipeline expects."""
+    import ray.data  # heavy; the flow process needs it only when the pipeline runs
+
+    if spec.format == "parquet":
+        return ray.data.read_parquet(
+            paths, filesystem=filesystem, columns=list(spec.schema), partitioning=None
+        )
+    if spec.format == "csv":
+        return ray.data.read_csv(
+            paths,
+            filesystem=filesystem,
+            partitioning=None,
+            parse_options=pacsv.ParseOptions(invalid_row_handler=skip_malformed),
+            convert_options=pacsv.ConvertOptions(
+                column_types={c: pa.string() for c in spec.schema},
+                include_columns=list(spec.schema),
+                strings_can_be_null=True,
+            ),
+        )
+    return ray.data.read_text(paths, filesystem=filesystem)
+
+
+@dataclass(frozen=True)
+class StagedCounts:
+    """What a pipeline left in its staging folder."""
+
+    rows_train: int
+    rows_eval: int
+    rows_quarantined: int
+    reasons: dict[str, int]
+    first_reasons: list[str]
+    schema: dict[str, str]
+
+
+def _parquet_files(filesystem: pafs.FileSystem, directory: str) -> list[str]:
+    return sorted(i.path for i in data_files(filesystem, directory) if i.path.endswith(".parquet"))
+
+
+def _rows(filesystem: pafs.FileSystem, files: list[str]) -> int:
+    return sum(pq.ParquetFile(filesystem.open_input_file(p)).metadata.num_rows for p in files)
+
+
+def summarize_staging(filesystem: pafs.FileSystem, staging: str) -> StagedCounts:
+    """Row counts from parquet footers, and quarantine reasons by count (largest first)."""
+    counts = {
+        split: _rows(filesystem, _parquet_files(filesystem, posixpath.join(staging, split)))
+        for split in SPLITS
+    }
+    quarantine = pq.read_table(
+        posixpath.join(staging, QUARANTINE_DIR), filesystem=filesystem, schema=QUARANTINE_SCHEMA
+    )
+    reasons: dict[str, int] = {}
+    for reason in quarantine["reason"].to_pylist():
+        reasons[reason] = reasons.get(reason, 0) + 1
+    reasons = dict(sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])))
+    first = sorted(
+        zip(
+            quarantine["reason"].to_pylist(),
+            quarantine["detail"].to_pylist(),
+            quarantine["source"].to_pylist(),
+            strict=True,
+        ),
+        key=lambda r: (r[0], r[1], r[2] or ""),
+    )
+    first_reasons = [f"{r}: {d}" for r, d, _ in first[:FIRST_REASONS]]
+    train_files = _parquet_files(filesystem, posixpath.join(staging, "train")) + _parquet_files(
+        filesystem, posixpath.join(staging, "eval")
+    )
+    schema = (
+        {}
+        if not train_files
+        else {
+            f.name: str(f.type)
+            for f in pq.ParquetFile(filesystem.open_input_file(train_files[0])).schema_arrow
+        }
+    )
+    return StagedCounts(
+        rows_train=counts["train"],
+        rows_eval=counts["eval"],
+        rows_quarantined=quarantine.num_rows,
+        reasons=reasons,
+        first_reasons=first_reasons,
+        schema=schema,
+    )
+
+
+def run_pipeline(
+    filesystem: pafs.FileSystem,
+    paths: list[str],
+    spec: PipelineSpec,
+    staging: str,
+    output_filesystem: pafs.FileSystem,
+) -> StagedCounts:
+    """Read, prepare and write the dataset into `staging` (train/, eval/, quarantine/); must
+    run where Ray is initialised. Files the per-file checks rejected are left out."""
+    quarantine_dir = posixpath.join(staging, QUARANTINE_DIR)
+    data_dir = posixpath.join(staging, "_data")
+    if paths:
+        dataset = read_dataset(filesystem, paths, spec).map_batches(
+            prepare_batch,
+            batch_format="pyarrow",
+            zero_copy_batch=True,
+            fn_kwargs={
+                "spec": spec,
+                "filesystem": output_filesystem,
+                "quarantine_dir": quarantine_dir,
+            },
+        )
+        dataset.write_parquet(data_dir, filesystem=output_filesystem, partition_cols=[SPLIT_COLUMN])
+    for split in SPLITS:
+        written = posixpath.join(data_dir, f"{SPLIT_COLUMN}={split}")
+        target = posixpath.join(staging, split)
+        if output_filesystem.get_file_info(written).type == pafs.FileType.Directory:
+            output_filesystem.move(written, target)
+        else:
+            output_filesystem.create_dir(target, recursive=True)
+    output_filesystem.delete_dir_contents(data_dir, missing_dir_ok=True)
+    if output_filesystem.get_file_info(data_dir).type == pafs.FileType.Directory:
+        output_filesystem.delete_dir(data_dir)
+    if not _parquet_files(output_filesystem, quarantine_dir):
+        # An empty file keeps the folder readable as a (zero-row) quarantine table.
+        output_filesystem.create_dir(quarantine_dir, recursive=True)
+        pq.write_table(
+            QUARANTINE_SCHEMA.empty_table(),
+            posixpath.join(quarantine_dir, "empty.parquet"),
+            filesystem=output_filesystem,
+        )
+    return summarize_staging(output_filesystem, staging)
