@@ -48,7 +48,8 @@ demo: install
 	$(BIN)/python -m deployments.demo
 
 test: install llm-venv lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	# A missing .venv-llm fails the LLM tests here instead of skipping them.
+	RLT_REQUIRE_LLM=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Style, formatting and the layering contracts in pyproject.toml ([tool.importlinter]).
 lint: install

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.serve_apps import serving_runtime_env
     from workloads import serve_control
     from workloads.llm import deploy_llm_app
-    from workloads.router import RouterConfig, Target
+    from workloads.router_config import RouterConfig, Target
     from workloads.tiny_llm import build_tiny_llm
 
     device = detect_device() if args.device == "auto" else args.device

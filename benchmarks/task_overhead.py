@@ -1,78 +1,180 @@
-"""Per-task overhead: N trivial Prefect tasks through this project's Ray task runner, through
-stock prefect-ray RayTaskRunner, and as plain @ray.remote calls, on one Ray in the same run.
+"""Per-task overhead of a recorded Prefect task: this project's Ray task runner against stock
+prefect-ray RayTaskRunner on the same Ray head, Prefect's in-process ThreadPoolTaskRunner (the
+floor for a task run recorded in Prefect) and plain @ray.remote calls (the floor on Ray).
 
-`python -m benchmarks.task_overhead [--tasks 200]`; the last line is JSON:
-{"tasks": 200, "ours_ms": ..., "stock_ms": ..., "plain_ray_ms": ...}
-Uses PREFECT_API_URL when set, else starts a Prefect server of its own (a temporary one would
-make stock prefect-ray start a server in every Ray worker, which is not what is measured here).
+`python -m benchmarks.task_overhead [--tasks 200] [--rounds 3]`. One `ray start --head` (2
+CPUs) and one Prefect server (or PREFECT_API_URL) serve every side. Each side connects the way
+a flow does: the Ray runners start their own driver and Ray job per flow run (ours with its
+job config and worker setup hook), the plain side its own driver. Within each flow run a
+warm-up fills the job's workers first; only the next `--tasks` tasks are timed. The order of
+the sides rotates each round; medians over the rounds are reported. After each flow run the
+API must hold every task run completed, with its log lines. Last line, one JSON object:
+{"tasks", "rounds", "ours_ms", "stock_ms", "threadpool_ms", "plain_ray_ms", "ours_vs_stock",
+"ours_vs_threadpool", "task_runs_with_logs" (the least share of a side's task runs whose log
+lines reached the API within LOGS_WAIT_S), "rounds_ms"}.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
+import statistics
+import tempfile
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from benchmarks._prefect import prefect_api
+from deployments import local
 
-WARMUP_TASKS = 8
+RAY_CPUS = 2
+WARMUP_TASKS = 8  # enough that each of the job's workers has imported Prefect
+SIDES = ("stock", "ours", "threadpool", "plain_ray")
+RECORDED_TIMEOUT_S = 60.0  # for every task run of a flow run to be recorded completed
+LOGS_WAIT_S = 10.0  # for each of them to have its log lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tasks", type=int, default=200)
+    parser.add_argument("--tasks", type=int, default=200, help="timed tasks per side and round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; the side order rotates")
     args = parser.parse_args()
-    with prefect_api():
-        print(json.dumps(run(args.tasks)))
+    with prefect_api(), ray_head() as (address, token):
+        print(json.dumps(run(address, token, args.tasks, args.rounds)))
 
 
-def run(tasks: int) -> dict:
+@contextlib.contextmanager
+def ray_head() -> Iterator[tuple[str, str]]:
+    """A `ray start --head` of RAY_CPUS CPUs on free ports and its own temp dir: (address,
+    token). Stopped afterwards."""
+    state_dir = Path(tempfile.mkdtemp(prefix="bto-", dir="/tmp"))  # short: Ray's sockets
+    spacing = local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"]
+    (port,) = local.free_ports(1, spacing=spacing)
+    (service,) = local.services(state_dir, {"ray": port}, ("ray",), ray_num_cpus=RAY_CPUS)
+    local.start(service)
+    try:
+        yield service.url, service.ray_token()
+    finally:
+        local.stop(service)
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def run(address: str, token: str, tasks: int, rounds: int) -> dict:
+    from blocks import RayCluster
+
+    cluster = RayCluster(address=address, auth_token=token)
+    cluster.export_auth_token()  # for stock prefect-ray's and the plain side's drivers
+    logged: dict[str, list[float]] = {side: [] for side in SIDES if side != "plain_ray"}
+    measure = sides(cluster, logged)
+    per_round: dict[str, list[float]] = {side: [] for side in SIDES}
+    for index in range(rounds):
+        order = SIDES[index % len(SIDES) :] + SIDES[: index % len(SIDES)]
+        for side in order:
+            per_round[side].append(measure[side](tasks) * 1000 / tasks)
+    median = {side: statistics.median(values) for side, values in per_round.items()}
+    return {
+        "tasks": tasks,
+        "rounds": rounds,
+        "ours_ms": round(median["ours"], 2),
+        "stock_ms": round(median["stock"], 2),
+        "threadpool_ms": round(median["threadpool"], 2),
+        "plain_ray_ms": round(median["plain_ray"], 3),
+        "ours_vs_stock": round(median["ours"] / median["stock"], 3),
+        "ours_vs_threadpool": round(median["ours"] / median["threadpool"], 3),
+        "task_runs_with_logs": {side: round(min(shares), 3) for side, shares in logged.items()},
+        "rounds_ms": {side: [round(v, 2) for v in values] for side, values in per_round.items()},
+    }
+
+
+def sides(cluster, logged: dict[str, list[float]]) -> dict[str, Callable[[int], float]]:
+    """Each side as a function of the task count returning the timed seconds; the Prefect
+    sides add to `logged` the share of their task runs whose log lines reached the API."""
     import ray
     from prefect import flow, task
+    from prefect.task_runners import ThreadPoolTaskRunner
     from prefect_ray import RayTaskRunner
 
-    from blocks import RayCluster
     from ray_runner import RayClusterTaskRunner
 
-    cluster = RayCluster(num_cpus=2)
-    ray.init("local", **cluster.init_kwargs())
-    try:
+    @task
+    def noop(i: int) -> int:
+        return i
 
+    @flow
+    def fan_out(n: int) -> tuple[float, str]:
+        from prefect.runtime import flow_run
+
+        assert len(noop.map(range(WARMUP_TASKS)).result()) == WARMUP_TASKS
+        started = time.perf_counter()
+        assert len(noop.map(range(n)).result()) == n
+        return time.perf_counter() - started, flow_run.id
+
+    def timed_and_recorded(name: str, runner, n: int) -> float:
+        elapsed, flow_run_id = fan_out.with_options(task_runner=runner)(n)
+        logged[name].append(recorded(flow_run_id, n + WARMUP_TASKS))
+        return elapsed
+
+    def plain_ray(n: int) -> float:
         @ray.remote
         def plain(i: int) -> int:
             return i
 
-        @task
-        def noop(i: int) -> int:
-            return i
-
-        @flow
-        def fan_out(n: int) -> int:
-            return len(noop.map(range(n)).result())
-
-        ray.get([plain.remote(i) for i in range(WARMUP_TASKS)])
-        started = time.perf_counter()
-        ray.get([plain.remote(i) for i in range(tasks)])
-        plain_ms = (time.perf_counter() - started) * 1000 / tasks
-
-        results = {}
-        for name, runner in (
-            ("stock", RayTaskRunner()),
-            ("ours", RayClusterTaskRunner(cluster)),
-        ):
-            measured = fan_out.with_options(task_runner=runner)
-            measured(WARMUP_TASKS)  # worker processes import Prefect once
+        ray.init(cluster.address, namespace=cluster.namespace)
+        try:
+            ray.get([plain.remote(i) for i in range(WARMUP_TASKS)])
             started = time.perf_counter()
-            assert measured(tasks) == tasks
-            results[name] = (time.perf_counter() - started) * 1000 / tasks
-    finally:
-        ray.shutdown()
-    return {
-        "tasks": tasks,
-        "ours_ms": round(results["ours"], 2),
-        "stock_ms": round(results["stock"], 2),
-        "plain_ray_ms": round(plain_ms, 3),
+            ray.get([plain.remote(i) for i in range(n)])
+            return time.perf_counter() - started
+        finally:
+            ray.shutdown()
+
+    runners = {
+        "stock": lambda: RayTaskRunner(address=cluster.address),
+        "ours": lambda: RayClusterTaskRunner(cluster),
+        "threadpool": lambda: ThreadPoolTaskRunner(),
     }
+    measured = {
+        name: (lambda n, name=name, make=make: timed_and_recorded(name, make(), n))
+        for name, make in runners.items()
+    }
+    return {**measured, "plain_ray": plain_ray}
+
+
+def recorded(flow_run_id: str, tasks: int) -> float:
+    """Wait until the API holds `tasks` completed task runs of the flow run (raise when it
+    does not in time: speed bought by lost records does not count); then, for LOGS_WAIT_S at
+    most, until each has log lines. Returns the share of task runs with logs."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, LogFilter, TaskRunFilter
+
+    runs = FlowRunFilter(id={"any_": [flow_run_id]})
+    completed = TaskRunFilter(state={"type": {"any_": ["COMPLETED"]}})
+    logs = LogFilter(flow_run_id={"any_": [flow_run_id]})
+    with get_client(sync_client=True) as client:
+        deadline = time.monotonic() + RECORDED_TIMEOUT_S
+        filters = {
+            "flow_runs": runs.model_dump(mode="json"),
+            "task_runs": completed.model_dump(mode="json"),
+        }
+        while (done := client.request("POST", "/task_runs/count", json=filters).json()) < tasks:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"flow run {flow_run_id}: {done} of {tasks} task runs completed")
+            time.sleep(0.5)
+        deadline = time.monotonic() + LOGS_WAIT_S
+        while True:
+            logged: set = set()
+            offset = 0
+            while True:  # every page of the flow run's logs
+                page = client.read_logs(log_filter=logs, limit=200, offset=offset)
+                logged |= {log.task_run_id for log in page if log.task_run_id}
+                offset += len(page)
+                if len(page) < 200:
+                    break
+            if len(logged) >= tasks or time.monotonic() > deadline:
+                return len(logged) / tasks
+            time.sleep(0.5)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,11 @@ both), with the same RLlib config built by workloads.rllib, FIFO scheduling and 
 iteration budget so both do the same training. The flow adds what the raw script lacks: the
 preflight, the progress callback and its artifact, the trial table and best-trial artifacts,
 and a one-episode RLModule evaluation. A local Prefect server is started first, outside the
-timing. Sides alternate over --repeats runs each; means are reported. Last line: one JSON
-object.
+timing. Each round runs both sides, the order alternating round by round (raw first, then flow
+first, ...), so drift in machine load falls on both; medians over the rounds are reported,
+with the flow's time split into its stages (from its Prefect task run): the engine before the
+sweep task, the sweep task (Ray start, preflight, Tune, evaluation, Ray shutdown) and what
+follows it (the experiment asset, the flow's end). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -78,12 +82,17 @@ def run_raw(storage: Path, num_cpus: int, iterations: int, via_block: bool = Fal
     return time.perf_counter() - start
 
 
-def run_flow(storage: Path, num_cpus: int, iterations: int) -> float:
+def run_flow_stages(storage: Path, num_cpus: int, iterations: int) -> dict[str, float]:
+    """The flow's wall time, split at its sweep task run's start and end."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+
     from blocks import RayCluster
     from flows.tune_sweep import tune_sweep
 
     sweep = sweep_config(iterations)
     start = time.perf_counter()
+    began = time.time()
     result = tune_sweep(
         sweep=sweep,
         ray_cluster=RayCluster(num_cpus=num_cpus),
@@ -91,16 +100,38 @@ def run_flow(storage: Path, num_cpus: int, iterations: int) -> float:
         evaluation_episodes=1,
     )
     elapsed = time.perf_counter() - start
+    ended = began + elapsed
     assert len(result.trials) == TRIALS
     assert {t.iterations for t in result.trials} == {iterations}
-    return elapsed
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id={"any_": [result.metrics["flow_run_id"]]})
+        )
+    (sweep_run,) = [r for r in runs if r.name.startswith("run-tune-sweep")]
+    task_start = sweep_run.start_time.timestamp()
+    task_end = sweep_run.end_time.timestamp()
+    return {
+        "total": elapsed,
+        "before_sweep_task": task_start - began,
+        "sweep_task": task_end - task_start,
+        "after_sweep_task": ended - task_end,
+    }
+
+
+def drain_prefect() -> None:
+    """Send queued logs and events while the benchmark's Prefect server still runs."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (EventsWorker, APILogWorker):
+        worker.drain_all(timeout=5)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--iterations", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each side")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of both sides (>= 3)")
     parser.add_argument(
         "--raw-via-block",
         action="store_true",
@@ -115,23 +146,26 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="bench-tune-"))
     try:
-        # Sweep for the pair raw, flow, flow, raw, ...: drift in machine load (a shared CI
-        # box) falls on both sides alike. Each side reports its mean.
         sides = ["raw", "flow"] + (["raw_block"] if args.raw_via_block else [])
         times: dict[str, list[float]] = {side: [] for side in sides}
-        runs = {
-            "raw": run_raw,
-            "flow": run_flow,
-            "raw_block": lambda *a: run_raw(*a, via_block=True),
-        }
+        stages: dict[str, list[float]] = {}
         with prefect_api():
-            for repeat in range(args.repeats):
-                for side in sides if repeat % 2 == 0 else sides[::-1]:
-                    times[side].append(
-                        runs[side](work / f"{side}-{repeat}", args.num_cpus, args.iterations)
-                    )
-        raw_s = sum(times["raw"]) / len(times["raw"])
-        flow_s = sum(times["flow"]) / len(times["flow"])
+            for round_ in range(args.rounds):
+                for side in sides if round_ % 2 == 0 else sides[::-1]:
+                    storage = work / f"{side}-{round_}"
+                    if side == "flow":
+                        split = run_flow_stages(storage, args.num_cpus, args.iterations)
+                        times[side].append(split.pop("total"))
+                        for stage, seconds in split.items():
+                            stages.setdefault(stage, []).append(seconds)
+                    else:
+                        via_block = side == "raw_block"
+                        times[side].append(
+                            run_raw(storage, args.num_cpus, args.iterations, via_block)
+                        )
+            drain_prefect()
+        raw_s = statistics.median(times["raw"])
+        flow_s = statistics.median(times["flow"])
         print(
             json.dumps(
                 {
@@ -139,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                     "iterations": args.iterations,
                     "num_cpus": args.num_cpus,
                     "runs": {k: [round(t, 2) for t in v] for k, v in times.items()},
+                    "flow_stages": {k: [round(t, 2) for t in v] for k, v in stages.items()},
                 }
             )
         )
@@ -148,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
                     "raw_s": round(raw_s, 2),
                     "flow_s": round(flow_s, 2),
                     "ratio": round(flow_s / raw_s, 3),
+                    "fixed_cost_s": round(flow_s - raw_s, 2),
+                    "flow_stages_s": {k: round(statistics.median(v), 2) for k, v in stages.items()},
+                    "rounds": args.rounds,
+                    "statistic": "median",
                 }
             )
         )

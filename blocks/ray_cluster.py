@@ -8,6 +8,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from prefect.blocks.core import Block
@@ -18,6 +19,8 @@ from workloads.constants import PROJECT_NAMESPACE, PROJECT_ROOT
 # Shipped to every Ray worker through runtime_env py_modules, so a separate cluster can
 # import the tasks, runner functions and workloads the flow process pickles by reference.
 PROJECT_PACKAGES = ("blocks", "flows", "tasks", "ray_runner", "workloads")
+# Never shipped with the project's packages or a runtime_env working_dir (more may be added).
+PACKAGE_EXCLUDES = ("__pycache__", "*.pyc")
 LOCAL_HOST = "127.0.0.1"
 
 _HOSTNAME = re.compile(
@@ -126,7 +129,9 @@ class RayCluster(Block):
         default_factory=dict,
         description=(
             "Extra Ray runtime_env merged over the project's own (its py_modules are "
-            "kept; env_vars are merged; other keys are added)."
+            "kept; env_vars and excludes are merged; other keys are added). Ship your own "
+            "code (env creators, transforms) with 'working_dir' (a local folder or a URI) "
+            "or 'py_modules'."
         ),
     )
     num_cpus: int | None = Field(
@@ -178,6 +183,23 @@ class RayCluster(Block):
         py_modules = value.get("py_modules", [])
         if not isinstance(py_modules, list):
             raise ValueError(f"runtime_env.py_modules must be a list, got {py_modules!r}")
+        excludes = value.get("excludes", [])
+        if not isinstance(excludes, list) or not all(isinstance(e, str) for e in excludes):
+            raise ValueError(f"runtime_env.excludes must be a list of patterns, got {excludes!r}")
+        working_dir = value.get("working_dir")
+        if working_dir is not None:
+            # A local folder (or .zip) is uploaded from this machine at connect; a URI is
+            # fetched by every node itself.
+            if not isinstance(working_dir, str) or not working_dir:
+                raise ValueError(
+                    f"runtime_env.working_dir must be a path or URI, got {working_dir!r}"
+                )
+            local = Path(working_dir).expanduser()
+            if "://" not in working_dir and not (local.is_dir() or local.suffix == ".zip"):
+                raise ValueError(
+                    f"runtime_env.working_dir {working_dir!r} is neither a folder on this "
+                    f"machine nor a .zip or URI"
+                )
         return value
 
     @property
@@ -200,12 +222,8 @@ class RayCluster(Block):
         py_modules = [str(PROJECT_ROOT / name) for name in PROJECT_PACKAGES]
         py_modules += [m for m in extra.pop("py_modules", []) if m not in py_modules]
         env_vars = {"RAY_USAGE_STATS_ENABLED": "0", **extra.pop("env_vars", {})}
-        return {
-            "py_modules": py_modules,
-            "env_vars": env_vars,
-            "excludes": ["__pycache__", "*.pyc"],
-            **extra,
-        }
+        excludes = [*PACKAGE_EXCLUDES, *extra.pop("excludes", [])]
+        return {"py_modules": py_modules, "env_vars": env_vars, "excludes": excludes, **extra}
 
     def init_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `ray.init` (the address is passed separately)."""

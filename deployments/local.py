@@ -51,6 +51,7 @@ class Service:
     state_dir: Path
     num_cpus: int | None = None  # ray only: logical CPUs the head offers
     prefect_port: int | None = None  # receiver only: the Prefect server it emits events to
+    extra_env: tuple[tuple[str, str], ...] = ()  # set last, over the service's own settings
 
     @property
     def url(self) -> str:
@@ -100,6 +101,10 @@ class Service:
         return self.state_dir / "logs" / f"{self.name}.log"
 
     def command(self) -> tuple[list[str], dict[str, str]]:
+        argv, env = self._command()
+        return argv, {**env, **dict(self.extra_env)}
+
+    def _command(self) -> tuple[list[str], dict[str, str]]:
         bin_dir = Path(sys.executable).parent
         env = dict(os.environ)
         if self.name == "prefect":
@@ -139,6 +144,7 @@ class Service:
         self.ray_token()
         env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token")
         env["RAY_AUTH_TOKEN_PATH"] = str(self.ray_token_file)
+        env.pop("RAY_AUTH_TOKEN", None)  # a client's token in this shell is not the head's
         argv = [str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address", HOST]
         argv += ["--port", str(self.port), "--dashboard-host", HOST]
         argv += ["--dashboard-port", str(self.dashboard_port), "--temp-dir", str(ray_tmp)]

@@ -185,7 +185,7 @@ def ensure_work_pool(name: str = WORK_POOL) -> str:
 def ensure_rollout_limits(routes: tuple[str, ...] = ROUTES) -> list[str]:
     """Global concurrency limits `serve-rollout-<route>` (limit 1) that every rollout on the
     route holds, whichever deployment or flow started it."""
-    from tasks.serve import ensure_rollout_limit
+    from tasks.route_claim import ensure_rollout_limit
 
     return [f"concurrency limit {ensure_rollout_limit(route)} (1)" for route in routes]
 
@@ -281,7 +281,7 @@ def start_worker(
 def _worker_online(pool: str, client_env: dict[str, str]) -> bool:
     from prefect.client.orchestration import get_client
 
-    with _prefect_api(client_env.get("PREFECT_API_URL")), get_client(sync_client=True) as client:
+    with prefect_api(client_env.get("PREFECT_API_URL")), get_client(sync_client=True) as client:
         workers = client.read_workers_for_work_pool(pool)
     return any(w.name == WORKER_NAME and str(w.status).upper().endswith("ONLINE") for w in workers)
 
@@ -292,7 +292,7 @@ def stop_worker(state_dir: Path) -> str:
 
 # ---- command line -----------------------------------------------------------------------
 @contextlib.contextmanager
-def _prefect_api(url: str | None) -> Iterator[None]:
+def prefect_api(url: str | None) -> Iterator[None]:
     """This process talks to the environment's Prefect API (the local server by default)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -342,12 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.schedules:
-        api = (
+        # The Prefect API this shell points at, else the local services'.
+        api = os.environ.get("PREFECT_API_URL") or (
             None
             if args.ray_address
             else local_environment(args.state_dir).client_env.get("PREFECT_API_URL")
         )
-        with _prefect_api(api):
+        with prefect_api(api):
             lines = set_schedules(args.schedules == "on")
     elif args.worker == "stop":
         lines = [stop_worker(args.state_dir)]
@@ -376,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 env = dataclasses.replace(env, receiver_url=args.receiver_url)
         if args.routes:
             env = dataclasses.replace(env, routes=tuple(args.routes))
-        with _prefect_api(env.client_env.get("PREFECT_API_URL")):
+        with prefect_api(env.client_env.get("PREFECT_API_URL")):
             if args.worker == "start":
                 lines = [start_worker(args.state_dir, env.client_env, env.work_pool)]
             else:

@@ -6,14 +6,22 @@ benchmarks run on it."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from deployments import local
+from deployments import local, setup
+from workloads.constants import PROJECT_ROOT
+
+SCHEDULER_ENV = (("PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS", "2"),)
 
 
 @dataclass(frozen=True)
@@ -27,6 +35,17 @@ class Stack:
     ray_token: str
     serve_port: int
     receiver_url: str  # deployments.receiver; it loads the MLflowWebhook block `lifecycle`
+    services: tuple[local.Service, ...] = ()
+
+    @property
+    def ray_client_address(self) -> str:
+        """ray:// address of the head's Ray Client server (a free port chosen at start)."""
+        argv = local.running(self.service("ray"))["argv"]
+        return f"ray://{local.HOST}:{argv[argv.index('--ray-client-server-port') + 1]}"
+
+    def service(self, name: str) -> local.Service:
+        """One of the stack's services, to stop and start again (local.stop / local.start)."""
+        return next(s for s in self.services if s.name == name)
 
     @property
     def webhook_url(self) -> str:
@@ -57,6 +76,11 @@ def temporary_stack(ray_num_cpus: int, prefix: str = "rlt-") -> Iterator[Stack]:
         ("prefect", "mlflow", "receiver", "ray"),
         ray_num_cpus=ray_num_cpus,
     )
+    # Schedules are due within seconds here, not at the scheduler's next minute.
+    services = [
+        dataclasses.replace(s, extra_env=SCHEDULER_ENV) if s.name == "prefect" else s
+        for s in services
+    ]
     try:
         with ThreadPoolExecutor(len(services)) as pool:
             for outcome in pool.map(local.start, services):
@@ -74,8 +98,75 @@ def temporary_stack(ray_num_cpus: int, prefix: str = "rlt-") -> Iterator[Stack]:
             ray_token=ray_service.ray_token(),
             serve_port=serve_port,
             receiver_url=by_name["receiver"].url,
+            services=tuple(services),
         )
     finally:
         for service in reversed(services):
             local.stop(service)
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def environment(stack: Stack, routes: tuple[str, ...] = ("policy",)) -> setup.Environment:
+    """The stack as a deployment environment (what `deployments.setup` fills in)."""
+    return setup.Environment(
+        ray_address=stack.ray_address,
+        mlflow_uri=stack.mlflow_uri,
+        ray_token=stack.ray_token,
+        ray_dashboard_url=stack.ray_dashboard_url,
+        serve_port=stack.serve_port,
+        routes=routes,
+        receiver_url=stack.webhook_url,
+        client_env={
+            "PREFECT_API_URL": stack.prefect_api_url,
+            "MLFLOW_TRACKING_URI": stack.mlflow_uri,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(stack.state_dir / "ray_auth_token"),
+            "PREFECT_WORKER_QUERY_SECONDS": "2",
+        },
+    )
+
+
+@contextlib.contextmanager
+def deployed(
+    stack: Stack,
+    routes: tuple[str, ...] = ("policy",),
+    parameters: dict[str, dict[str, Any]] | None = None,
+) -> Iterator[setup.Environment]:
+    """What a user does on the stack: `deployments.setup` (blocks, pool, limits, webhook),
+    `prefect --no-prompt deploy --all`, default parameters overridden per deployment
+    ("flow/deployment": {name: value}), and a process worker, stopped by pid at the end."""
+    env = environment(stack, routes)
+    cli_env = {**os.environ, **env.client_env}
+    with setup.prefect_api(stack.prefect_api_url):
+        setup.prepare(env)
+        done = subprocess.run(
+            [str(Path(sys.executable).parent / "prefect"), "--no-prompt", "deploy", "--all"],
+            env=cli_env,
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"prefect deploy --all failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+            )
+        if parameters:
+            set_parameters(parameters)
+        setup.start_worker(stack.state_dir, env.client_env, env.work_pool)
+        try:
+            yield env
+        finally:
+            setup.stop_worker(stack.state_dir)
+
+
+def set_parameters(parameters: dict[str, dict[str, Any]]) -> None:
+    """Override deployments' default parameters ("flow/deployment": {name: value})."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    with get_client(sync_client=True) as client:
+        for name, values in parameters.items():
+            deployment = client.read_deployment_by_name(name)
+            merged = {**(deployment.parameters or {}), **values}
+            client.update_deployment(deployment.id, DeploymentUpdate(parameters=merged))

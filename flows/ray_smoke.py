@@ -75,7 +75,8 @@ def ray_smoke(
 
     Args:
         tasks: How many Prefect tasks to fan out on Ray (1-1000).
-        ray_cluster: Where to run; an embedded local Ray when empty.
+        ray_cluster: Where to run; an embedded local Ray when empty. Over Ray Client
+            (ray://) the flow run's log says what that connection cannot carry.
     """
     from prefect.runtime import flow_run
     from prefect.utilities.urls import url_for
@@ -110,7 +111,11 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=ray_smoke.__doc__)
     parser.add_argument("--tasks", type=int, default=20)
-    parser.add_argument("--address", default="", help="Ray address; embedded Ray when empty")
+    parser.add_argument(
+        "--address",
+        default="",
+        help="Ray address: host:port (GCS), ray://host:port (Ray Client); embedded Ray when empty",
+    )
     args = parser.parse_args()
     result = ray_smoke(tasks=args.tasks, ray_cluster=RayCluster(address=args.address))
     print(result.model_dump_json())

@@ -9,36 +9,25 @@ its app and fails the flow run with that reason. Rollouts on one route never ove
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
+import uuid
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
-from prefect.concurrency.sync import concurrency
+from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from blocks import MLflowServer, RayCluster
 from flows.register import DEFAULT_MODEL_NAME
 from tasks import lineage
-from tasks.serve import (
-    bake,
-    canary_step,
-    deploy_candidate,
-    emit,
-    ensure_rollout_limit,
-    inject,
-    record,
-    retire,
-    rollback,
-    smoke,
-    swap,
-    withdraw,
-)
-from tasks.serve_apps import serving_runtime_env, version_app
+from tasks.rollout_record import Timeline, emit, record
+from tasks.route_changes import inject, retire, rollback, swap, withdraw
+from tasks.route_claim import hold_route
+from tasks.serve import bake, canary_step, deploy_candidate, smoke
+from tasks.serve_apps import RouteContext, route_context, version_app
 from tasks.serve_config import Drill, Gates, LLMServing, Serving
 from workloads import registry, serve_control
 from workloads.canary import GateFailed
-from workloads.router import TargetKind
+from workloads.router_config import RouterConfig, Target, TargetKind
 
 
 class RolloutFailed(RuntimeError):
@@ -49,65 +38,14 @@ class RolloutResult(BaseModel):
     model_name: str
     version: str
     route: str
-    outcome: str = Field(description="promoted, first_rollout or already_live.")
+    outcome: str = Field(
+        description="promoted, first_rollout, already_live, or for a recovered rollout: "
+        "withdrawn or rebaked."
+    )
     reason: str
     url: str = Field(description="The route's URL.")
     previous_version: str | None = None
     timeline: list[dict[str, Any]] = Field(default_factory=list)
-
-
-class Timeline:
-    def __init__(self, model_name: str, version: str, route: str):
-        self.title = f"Rollout of {model_name} v{version} on /{route}"
-        self.started = time.monotonic()
-        self.entries: list[dict[str, Any]] = []
-
-    def add(self, stage: str, outcome: str, detail: str, figures: dict | None = None) -> None:
-        self.entries.append(
-            {
-                "at_s": round(time.monotonic() - self.started, 1),
-                "stage": stage,
-                "outcome": outcome,
-                "detail": detail,
-                "figures": {
-                    k: v
-                    for k, v in (figures or {}).items()
-                    if k not in ("timeline", "reason", "at")
-                },
-            }
-        )
-        get_run_logger().info("%s: %s (%s)", stage, outcome, detail)
-
-    def publish(self, decision: str) -> None:
-        rows = "\n".join(
-            f"| {e['at_s']:.1f} s | {e['stage']} | {e['outcome']} | {e['detail']} | "
-            f"{_figures(e['figures'])} |"
-            for e in self.entries
-        )
-        create_markdown_artifact(
-            key="rollout",
-            markdown=(
-                f"## {self.title}\n\n**Decision: {decision}**\n\n"
-                f"| at | stage | outcome | detail | figures |\n|---|---|---|---|---|\n"
-                f"{rows}\n\n_{datetime.now(UTC).isoformat(timespec='seconds')}_"
-            ),
-            description=f"{self.title}: {decision}",
-        )
-
-
-def _figures(figures: dict[str, Any]) -> str:
-    parts = []
-    for key, value in figures.items():
-        if isinstance(value, dict):
-            value = ", ".join(f"{k}={_round(v)}" for k, v in value.items())
-            parts.append(f"{key}: {value}")
-        elif value is not None:
-            parts.append(f"{key}={_round(value)}")
-    return "; ".join(parts).replace("|", "/")
-
-
-def _round(value: Any) -> Any:
-    return round(value, 3) if isinstance(value, float) else value
 
 
 @flow(name="serve-rollout", log_prints=True)
@@ -154,12 +92,14 @@ def serve_rollout(
             "the RayCluster block's address (an embedded Ray stops with the run)"
         )
     version = _resolve(server, model_name, version, alias)
-    with concurrency(ensure_rollout_limit(route), occupy=1), cluster.connect() as joined:
+    with cluster.connect() as joined:
         serve_control.start(cluster.serve_host, cluster.serve_port)
         try:
-            result = _rollout(
-                model_name, version, route, gates, serving, drill, cluster, server, kind, llm
-            )
+            with hold_route(route, route_holder(), gates.lease_s) as claim:
+                ctx = route_context(route, cluster, serving, gates, claim)
+                result = _rollout(
+                    ctx, model_name, version, gates, serving, drill, cluster, server, kind, llm
+                )
         finally:
             if joined is not None:  # this flow started the Ray connection: leave no handles
                 serve_control.release()
@@ -174,6 +114,11 @@ def serve_rollout(
             metadata={"outcome": result.outcome, "previous_version": result.previous_version},
         )
     return result
+
+
+def route_holder() -> str:
+    """Who holds a route: this flow run (a fresh id outside one)."""
+    return str(flow_run.id or uuid.uuid4())
 
 
 def _resolve(server: MLflowServer, model_name: str, version: str | None, alias: str) -> str:
@@ -193,9 +138,9 @@ def _resolve(server: MLflowServer, model_name: str, version: str | None, alias: 
 
 
 def _rollout(
+    ctx: RouteContext,
     model_name: str,
     version: str,
-    route: str,
     gates: Gates,
     serving: Serving,
     drill: Drill,
@@ -204,10 +149,10 @@ def _rollout(
     kind: TargetKind,
     llm: LLMServing,
 ) -> RolloutResult:
-    timeline = Timeline(model_name, version, route)
-    env = serving_runtime_env(cluster)
+    route = ctx.route
+    timeline = Timeline(f"Rollout of {model_name} v{version} on /{route}")
     app_config, candidate, health_period_s = version_app(
-        kind, server, model_name, version, serving, llm, drill.faults, env
+        kind, server, model_name, version, serving, llm, drill.faults, ctx.runtime_env
     )
     router = serve_control.current_router(route)
     live = router.live if router else None
@@ -235,14 +180,13 @@ def _rollout(
             outcome="already_live", reason="already live", timeline=timeline.entries, **result
         )
 
-    stage_figures: dict[str, Any] = {}
     try:
         health = deploy_candidate(app_config, candidate, health_period_s, gates)
         timeline.add("health", "passed", health["reason"], health)
         smoked = smoke(candidate, gates)
         timeline.add("smoke", "passed", smoked["reason"], smoked)
         if live is None:
-            swapped = swap(route, candidate, gates, env, serving, inline=candidate.kind == "policy")
+            swapped = swap(ctx, candidate, None)
             record(
                 server,
                 model_name,
@@ -262,26 +206,18 @@ def _rollout(
             return RolloutResult(
                 outcome="first_rollout", reason="first rollout", timeline=timeline.entries, **result
             )
+        inline_live = router.inline_live and live.kind == "policy"
         for weight in gates.canary_steps:
-            step = canary_step(
-                route,
-                weight,
-                live,
-                candidate,
-                gates,
-                env,
-                serving,
-                router.inline_live and live.kind == "policy",
-            )
+            step = canary_step(ctx, gates, weight, live, candidate, inline_live)
             timeline.add(f"canary {weight:.0%}", "passed", step["reason"], step)
     except GateFailed as failure:
-        withdraw(route, live, candidate.app, gates, env, serving)
+        withdraw(ctx, live, candidate.app)
         return _reject(failure, "rejected", timeline, server, result, live)
     except BaseException:
-        _best_effort(withdraw, route, live, candidate.app, gates, env, serving)
+        _best_effort(withdraw, ctx, live, candidate.app)
         raise
 
-    swapped = swap(route, candidate, gates, env, serving, inline=False)
+    swapped = swap(ctx, candidate, live)
     record(
         server,
         model_name,
@@ -296,26 +232,44 @@ def _rollout(
     if drill.after_swap:
         inject(candidate.app, drill.after_swap)
         timeline.add("drill", "injected", f"after the swap: {drill.after_swap}")
+    return _bake_then_settle(
+        ctx, gates, server, candidate, live, swapped["at"], timeline, result, "promoted"
+    )
+
+
+def _bake_then_settle(
+    ctx: RouteContext,
+    gates: Gates,
+    server: MLflowServer,
+    new: Target,
+    previous: Target,
+    since: float,
+    timeline: Timeline,
+    result: dict[str, Any],
+    outcome: str,
+) -> RolloutResult:
+    """Bake the swapped-in version, then retire the previous one, or roll back to it."""
+    model_name, version, route = result["model_name"], new.version, ctx.route
     try:
-        baked = bake(route, candidate, gates, swapped["at"])
+        baked = bake(ctx, gates, new, since)
     except GateFailed as failure:
-        undone = rollback(route, live, candidate.app, gates, env, serving)
+        undone = rollback(ctx, previous, new.app)
         detected = failure.figures.get("detected_at")
-        stage_figures = {
+        figures = {
             "seconds_to_rollback": round(time.time() - detected, 2) if detected else None,
             **undone,
         }
-        timeline.add("rollback", "done", f"/{route} -> v{live.version}", stage_figures)
-        return _reject(failure, "rolled_back", timeline, server, result, live)
+        timeline.add("rollback", "done", f"/{route} -> v{previous.version}", figures)
+        return _reject(failure, "rolled_back", timeline, server, result, previous)
     except BaseException:
-        _best_effort(rollback, route, live, candidate.app, gates, env, serving)
+        _best_effort(rollback, ctx, previous, new.app)
         raise
     timeline.add("bake", "passed", baked["reason"], baked.get("figures") or {})
-    retired = retire(route, candidate, live.app, gates, env, serving)
+    retired = retire(ctx, new, previous.app)
     timeline.add(
         "retire",
         "done",
-        f"v{live.version}'s app deleted; router hosts v{version} "
+        f"v{previous.version}'s app deleted; router hosts v{version} "
         f"{'in process' if retired['inline'] else 'through its app'}",
         retired,
     )
@@ -323,13 +277,74 @@ def _rollout(
         server,
         model_name,
         version,
-        {"verdict": "promoted", "route": route, "app": candidate.app, "reason": baked["reason"]},
+        {"verdict": "promoted", "route": route, "app": new.app, "reason": baked["reason"]},
     )
-    emit("promoted", model_name, version, route, {"previous": live.version, "url": url})
-    timeline.publish(f"v{version} replaced v{live.version} on /{route}")
+    emit(
+        "promoted", model_name, version, route, {"previous": previous.version, "url": result["url"]}
+    )
+    timeline.publish(f"v{version} replaced v{previous.version} on /{route}")
     return RolloutResult(
-        outcome="promoted", reason=baked["reason"], timeline=timeline.entries, **result
+        outcome=outcome, reason=baked["reason"], timeline=timeline.entries, **result
     )
+
+
+def finish_interrupted(
+    ctx: RouteContext,
+    router: RouterConfig,
+    model_name: str,
+    gates: Gates,
+    server: MLflowServer,
+    url: str,
+) -> RolloutResult:
+    """Finish a rollout that stopped while it held the route (its holder died): a candidate
+    still in its canary is withdrawn; a version that had swapped is baked again, then its
+    predecessor is retired or it is rolled back. Tagged, announced and published as such."""
+    interrupted = router.rollout
+    version, route = interrupted.version, ctx.route
+    why = f"rollout {interrupted.holder} stopped during its {interrupted.stage}"
+    timeline = Timeline(f"Recovery of {model_name} v{version} on /{route}")
+    timeline.add("found", interrupted.stage, why, {"generation": router.generation})
+    live = router.live
+    result = dict(
+        model_name=model_name,
+        version=version,
+        route=route,
+        url=url,
+        previous_version=(router.previous or live).version if live else None,
+    )
+    if interrupted.stage == "canary":
+        app = (
+            router.candidate.app
+            if router.candidate
+            else serve_control.version_app_name(model_name, version)
+        )
+        withdrawn = withdraw(ctx, live, app)
+        reason = f"{why}; withdrawn, v{live.version} serves /{route}"
+        record(
+            server,
+            model_name,
+            version,
+            {"verdict": "interrupted", "stage": "canary", "reason": reason, "route": route},
+        )
+        timeline.add("withdraw", "done", reason, withdrawn)
+        emit("recovered", model_name, version, route, {"stage": "canary", "action": "withdrawn"})
+        timeline.publish(reason)
+        return RolloutResult(
+            outcome="withdrawn", reason=reason, timeline=timeline.entries, **result
+        )
+    # Baked again from now, under this claim: the route's record names the new holder.
+    since = time.time()
+    ctx.write(ctx.config(live=live, previous=router.previous, rollout=ctx.record("bake", version)))
+    timeline.add("bake", "restarted", f"{why}; baking v{version} again")
+    try:
+        settled = _bake_then_settle(
+            ctx, gates, server, live, router.previous, since, timeline, result, "rebaked"
+        )
+    except RolloutFailed:
+        emit("recovered", model_name, version, route, {"stage": "bake", "action": "rolled_back"})
+        raise
+    emit("recovered", model_name, version, route, {"stage": "bake", "action": "promoted"})
+    return settled
 
 
 def _reject(
@@ -366,7 +381,7 @@ def _reject(
     raise RolloutFailed(decision)
 
 
-def _best_effort(stage, *args) -> None:
+def _best_effort(stage: Any, *args: Any) -> None:
     try:
         stage(*args)
     except Exception as error:  # the original error matters more

@@ -1,5 +1,5 @@
 """A Tune sweep of an RLlib agent as a Prefect flow: run (or resume) the sweep, evaluate the
-best checkpoint's RLModule on held-out seeds, and publish what happened.
+best checkpoint's RLModule on held-out seeds, publish what happened, record the experiment.
 
 The Tune driver runs in the flow process. Cancelling the flow run in Prefect stops Tune and
 its trials (polled by the driver; a worker's SIGTERM ends the driver, and Ray its trials)."""
@@ -14,15 +14,18 @@ from pydantic import BaseModel, Field
 
 from blocks import RayCluster
 from tasks import lineage
-from tasks.tune import EvaluationReport, TrialSummary, evaluate, publish, run_sweep
+from tasks.tune import EvaluationReport, TrialSummary, run_sweep
 from tasks.tune_config import DEFAULT_STORAGE_ROOT, SweepConfig
 
 
 class SweepResult(BaseModel):
     best_config: dict[str, Any] = Field(description="The best trial's searched fields.")
     metrics: dict[str, Any] = Field(description="The best trial's return, env steps, iterations.")
-    checkpoint_path: str = Field(description="The best trial's best checkpoint.")
-    experiment_path: str = Field(description="The Tune experiment directory.")
+    checkpoint_path: str = Field(
+        description="The best trial's best checkpoint on this machine (a copy when the "
+        "storage is remote)."
+    )
+    experiment_path: str = Field(description="The Tune experiment: a folder or a storage URI.")
     evaluation: EvaluationReport = Field(description="Greedy held-out episodes of the checkpoint.")
     trials: list[TrialSummary] = Field(description="Every trial of the sweep.")
     resumed: bool = Field(description="Whether this run resumed an earlier attempt's sweep.")
@@ -41,25 +44,21 @@ def tune_sweep(
     Args:
         sweep: What to train, what to search and how trials run; empty: PPO on CartPole.
         ray_cluster: Where to run; an embedded local Ray when empty.
-        storage_root: Folder (shared by every Ray node) for sweeps; a flow run's sweep lives
-            under its id, so a retry or re-run of that flow run resumes it.
+        storage_root: Where sweeps live: a folder every Ray node reaches (NFS, a shared
+            volume) or a pyarrow filesystem URI (s3://bucket/prefix, gs://..., file://...);
+            a flow run's sweep lives under its id, so a retry or re-run of it resumes it.
         evaluation_episodes: Held-out greedy episodes to evaluate the best checkpoint.
         asset_deps: Prefect asset keys the sweep trained on (e.g. a data-prep dataset's
             asset_key); the experiment asset records them as its upstream.
     """
     sweep = sweep or SweepConfig()
-    swept = run_sweep(sweep, ray_cluster or RayCluster(), storage_root, return_state=True)
+    swept = run_sweep(
+        sweep, ray_cluster or RayCluster(), storage_root, evaluation_episodes, return_state=True
+    )
     if swept.is_cancelled():
         return swept  # cancelled in Prefect: Tune stopped its trials; end the run Cancelled
     outcome = swept.result()
-    evaluation = evaluate(
-        outcome.best.checkpoint,
-        sweep.environment,
-        sweep.env_config,
-        evaluation_episodes,
-        sweep.seed,
-    )
-    publish(outcome, evaluation)
+    evaluation = outcome.evaluation
     best = outcome.best
     lineage.record_experiment(
         outcome.experiment_path,
@@ -83,7 +82,7 @@ def tune_sweep(
             "trial_id": best.trial_id,
             "flow_run_id": str(flow_run.id),
         },
-        checkpoint_path=best.checkpoint,
+        checkpoint_path=outcome.checkpoint_path,
         experiment_path=outcome.experiment_path,
         evaluation=evaluation,
         trials=outcome.trials,

@@ -11,6 +11,7 @@ from ray_runner.options import RAY_OPTIONS_ATTRIBUTE, ray_options
 from ray_runner.runner import (
     CRASH_BACKOFF_S,
     CRASH_RETRIES,
+    RAY_CLIENT_LIMITS,
     CrashRecordingRayFuture,
     RayClusterTaskRunner,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "CRASH_BACKOFF_S",
     "CRASH_RETRIES",
     "JOB_METADATA_FLOW_RUN_ID",
+    "RAY_CLIENT_LIMITS",
     "RAY_DASHBOARD_ARTIFACT_KEY",
     "RAY_OPTIONS_ATTRIBUTE",
     "CrashRecordingRayFuture",

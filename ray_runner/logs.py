@@ -12,11 +12,12 @@ import datetime
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 from uuid import UUID
 
 import orjson
 from prefect.client.orchestration import get_client
+from prefect.context import SettingsContext
 from prefect.logging.handlers import set_api_log_sink
 from prefect.logging.loggers import get_logger
 from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -30,6 +31,8 @@ ray = lazy_import("ray")
 
 logger = get_logger(__name__)
 
+POST_BATCHES_AT_MOST = 64  # task runs' log batches merged into one POST /logs/
+
 
 class TaskRunLogs:
     """Collects what a task run logs in this Ray worker and hands it, when the run ends, to a
@@ -38,10 +41,10 @@ class TaskRunLogs:
     would be lost; the POST stays off the task's path. (Prefect's ProcessPoolTaskRunner swaps
     the same sink.)"""
 
-    _queue: queue.Queue | None = None  # (api_url, body) for the sender thread, one per process
+    _queue: queue.Queue | None = None  # LogBatch items for the sender thread, one per process
 
-    def __init__(self, context: dict[str, Any]):
-        self.api_url = context["settings_context"]["settings"]["api"]["url"]
+    def __init__(self, settings: SettingsContext):
+        self.settings = settings
         self.logs: list[dict[str, Any]] = []
         set_api_log_sink(self.logs.append)
 
@@ -52,11 +55,11 @@ class TaskRunLogs:
         body = orjson.dumps(
             [{k: v for k, v in log.items() if k != "__payload_size__"} for log in self.logs]
         )
-        self.sender_queue().put((self.api_url, body))
+        self.sender_queue().put(LogBatch(self.settings.settings.api.url, body, self.settings))
 
     @classmethod
     def sender_queue(cls) -> queue.Queue:
-        """The queue of (api_url, body) batches this process's sender thread posts."""
+        """The queue of LogBatch items this process's sender thread posts."""
         if cls._queue is None:
             cls._queue = queue.Queue()
             threading.Thread(
@@ -80,19 +83,55 @@ class TaskRunLogs:
     def _post_forever(pending: queue.Queue) -> None:
         clients: dict[str, Any] = {}  # one per API URL: opening a client is slow
         while True:
-            api_url, body = pending.get()
-            try:
-                if api_url not in clients:
-                    # This thread reads the process-global settings: name the URL.
-                    with temporary_settings(updates={PREFECT_API_URL: api_url}):
-                        clients[api_url] = get_client(sync_client=True).__enter__()
-                clients[api_url].request(
-                    "POST", "/logs/", content=body, headers={"Content-Type": "application/json"}
-                )
-            except Exception as error:  # logs are best effort; the task's outcome is not
-                logger.warning("Could not send a task run's logs to %s: %s", api_url, error)
-            finally:
+            batches = [pending.get()]
+            while len(batches) < POST_BATCHES_AT_MOST:  # what queued meanwhile goes along
+                try:
+                    batches.append(pending.get_nowait())
+                except queue.Empty:
+                    break
+            for api_url, logs in _by_api(batches):
+                try:
+                    if api_url not in clients:
+                        clients[api_url] = _open_client(logs[0])
+                    clients[api_url].request(
+                        "POST",
+                        "/logs/",
+                        content=b"[" + b",".join(batch.body[1:-1] for batch in logs) + b"]",
+                        headers={"Content-Type": "application/json"},
+                    )
+                except Exception as error:  # logs are best effort; the task's outcome is not
+                    logger.warning("Could not send task run logs to %s: %s", api_url, error)
+            for _ in batches:
                 pending.task_done()
+
+
+class LogBatch(NamedTuple):
+    """A JSON array of log records for one API; `settings` to open its client with, else the
+    process settings with the URL replaced."""
+
+    api_url: str
+    body: bytes
+    settings: SettingsContext | None = None
+
+
+def _by_api(batches: list[LogBatch]) -> list[tuple[str, list[LogBatch]]]:
+    grouped: dict[str, list[LogBatch]] = {}
+    for batch in batches:
+        grouped.setdefault(batch.api_url, []).append(batch)
+    return list(grouped.items())
+
+
+def _open_client(batch: LogBatch) -> Any:
+    """A sync client for the batch's API, under its settings: settings built in this thread
+    would read os.environ, which Ray changes while it starts a task (a KeyError)."""
+    if batch.settings is None:
+        with temporary_settings(updates={PREFECT_API_URL: batch.api_url}):
+            return get_client(sync_client=True).__enter__()
+    token = SettingsContext.__var__.set(batch.settings)
+    try:
+        return get_client(sync_client=True).__enter__()
+    finally:
+        SettingsContext.__var__.reset(token)
 
 
 class ChildTaskLogs:
@@ -181,4 +220,4 @@ class ChildTaskLogs:
             ]
         )
         cls._last_line = time.monotonic()
-        TaskRunLogs.sender_queue().put((api_url, body))
+        TaskRunLogs.sender_queue().put(LogBatch(api_url, body))

@@ -1,24 +1,27 @@
 """The task runner: a prefect-ray RayTaskRunner built from a RayCluster block, and its future.
 
 On top of RayTaskRunner it carries the flow's Prefect API into every Ray worker (settings),
-takes Ray options from the task (options), names Ray work after its flow and task runs and
-links the flow run to its Ray job (lineage), posts what Ray tasks log under their task run
-(logs), and re-runs a task whose Ray worker crashed as the next attempt of the same task run
-(worker).
+ships each task run's Prefect context once per flow run and keeps it, with an open client, in
+each worker (contexts), takes Ray options from the task (options), names Ray work after its
+flow and task runs and links the flow run to its Ray job (lineage), posts what Ray tasks log
+under their task run (logs), and re-runs a task whose Ray worker crashed as the next attempt
+of the same task run (worker).
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Iterable
 from typing import Any
 from uuid import UUID, uuid4
 
-import httpx
+import orjson
 from prefect.client.orchestration import get_client
-from prefect.context import FlowRunContext, serialize_context
+from prefect.context import FlowRunContext
 from prefect.exceptions import ObjectNotFound
 from prefect.futures import PrefectFuture
-from prefect.logging.loggers import get_logger
+from prefect.logging.loggers import get_logger, get_run_logger
 from prefect.tasks import Task
 from prefect.utilities.engine import collect_task_run_inputs_sync
 from prefect.utilities.importtools import lazy_import
@@ -26,10 +29,11 @@ from prefect_ray.context import RemoteOptionsContext
 from prefect_ray.task_runners import PrefectRayFuture, RayTaskRunner
 
 from blocks.ray_cluster import RayCluster
+from ray_runner.contexts import ContextShipper
 from ray_runner.lineage import flow_run_being_started, job_config, link_flow_run, ray_task_name
 from ray_runner.logs import ChildTaskLogs
 from ray_runner.options import RAY_OPTIONS_ATTRIBUTE
-from ray_runner.settings import deep_merge, prefect_api_url, worker_settings_overrides
+from ray_runner.settings import prefect_api_url, worker_settings_overrides
 from ray_runner.worker import run_on_ray, worker_setup_hook
 
 # Ray loads on first use (as in prefect-ray): importing a flow module must not pay for it.
@@ -39,6 +43,15 @@ logger = get_logger(__name__)
 
 CRASH_RETRIES = 2  # Ray-level re-runs after a system failure, each recorded in Prefect
 CRASH_BACKOFF_S = 1.0  # first re-run waits this long, then twice as long each time
+RAY_CLIENT_LIMITS = (
+    "Connected through Ray Client: task runs, their states, retries and their own logs are "
+    "recorded as usual, but what plain Ray tasks started inside a task run print or log is not "
+    "forwarded to it (that needs the driver's Ray log stream, which a Ray Client process does "
+    "not get), the Ray job carries no prefect_flow_run_id metadata, and only Ray tasks started "
+    "directly by a task run are named after it (Ray Client takes no job config nor worker "
+    "setup hook from ray.init). Use the cluster's GCS address (host:port) for those."
+)
+CRASH_EVENTS_LAG_S = 3.0  # how long a crashed task's last events may take to be recorded
 
 
 class RayClusterTaskRunner(RayTaskRunner):
@@ -69,9 +82,12 @@ class RayClusterTaskRunner(RayTaskRunner):
         # Ray only retries system failures by default (retry_exceptions is off), and each
         # re-run is recorded in Prefect by run_on_ray.
         self.remote_defaults = {**(remote_defaults or {}), "max_retries": crash_retries}
-        self._worker_settings: dict[str, Any] | None = None
+        self._shipper: ContextShipper | None = None
+        self._remote_functions: dict[bytes, Any] = {}  # by options: Ray exports each once
         self._flow_run_id: UUID | None = None
         self._child_logs = False  # this runner holds a share of ChildTaskLogs' handler
+        self._links_flow_run = True  # False in a Ray worker: the driver links the flow run
+        self._warn_ray_client = False  # say in the flow run's log what Ray Client lacks
         super().__init__(
             address=self.cluster.ray_init_address, init_kwargs=self.cluster.init_kwargs()
         )
@@ -93,21 +109,23 @@ class RayClusterTaskRunner(RayTaskRunner):
         )
 
     def __enter__(self) -> RayClusterTaskRunner:
-        self._worker_settings = worker_settings_overrides(prefect_api_url())
+        self._remote_functions = {}
+        if in_ray_worker():
+            # Prefect enters a copy of the flow's runner in each task run's context: Ray, the
+            # job and the flow run's links belong to the driver; the shipper is made if used.
+            self._links_flow_run = False
+            super().__enter__()
+            return self
+        self._shipper = ContextShipper(worker_settings_overrides(prefect_api_url()))
         self.cluster.export_auth_token()
         # Prefect enters the task runner before it opens the flow run's context: the run
         # being started is read from the engine (None when not found; linked at first submit).
         self._flow_run_id = flow_run_being_started()
-        if not ray.is_initialized():  # we start the Ray job: it carries the flow run
-            kwargs = dict(self.init_kwargs)
-            if self._flow_run_id is not None:
-                kwargs["job_config"] = job_config(self._flow_run_id)
-            runtime_env = dict(kwargs.get("runtime_env") or {})
-            runtime_env.setdefault("worker_process_setup_hook", worker_setup_hook())
-            kwargs["runtime_env"] = runtime_env
-            self.init_kwargs = kwargs
+        if not ray.is_initialized():  # we start the Ray job
+            self.init_kwargs = self._job_init_kwargs()
         super().__enter__()
-        self._child_logs = ChildTaskLogs.start(self.worker_settings["api"]["url"])
+        self._child_logs = ChildTaskLogs.start(self._shipper.worker_settings["api"]["url"])
+        self._warn_ray_client = ray.util.client.ray.is_connected()
         if self._flow_run_id is not None:
             self._link_flow_run(self._flow_run_id)
         return self
@@ -122,14 +140,49 @@ class RayClusterTaskRunner(RayTaskRunner):
                 ChildTaskLogs.stop()
             super().__exit__(*exc_info)
 
+    def _job_init_kwargs(self) -> dict[str, Any]:
+        """ray.init kwargs of the job this runner starts: the flow run id in its metadata and
+        the child-task tagging hook in every worker. Ray Client carries neither (it sends
+        ray.init's arguments as JSON and the job config through plain pickle)."""
+        kwargs = dict(self.init_kwargs)
+        if self.uses_ray_client:
+            return kwargs
+        if self._flow_run_id is not None:
+            kwargs["job_config"] = job_config(self._flow_run_id)
+        runtime_env = dict(kwargs.get("runtime_env") or {})
+        runtime_env.setdefault("worker_process_setup_hook", worker_setup_hook())
+        kwargs["runtime_env"] = runtime_env
+        return kwargs
+
+    @property
+    def uses_ray_client(self) -> bool:
+        """The cluster is reached through Ray Client (a ray:// address)."""
+        return self.cluster.address.startswith("ray://")
+
     def _link_flow_run(self, flow_run_id: UUID) -> None:
         link_flow_run(flow_run_id, self.cluster, self._ray_context if self._owns_ray else None)
 
     @property
-    def worker_settings(self) -> dict[str, Any]:
-        if self._worker_settings is None:
+    def shipper(self) -> ContextShipper:
+        """Ships each submit's Prefect context; made at the first submit in a Ray worker."""
+        if not self._started:
             raise RuntimeError("The task runner must be started before submitting work.")
-        return self._worker_settings
+        if self._shipper is None:
+            self._shipper = ContextShipper(worker_settings_overrides(prefect_api_url()))
+        return self._shipper
+
+    def _remote_function(self, options: dict[str, Any]) -> Any:
+        """run_on_ray as a Ray remote function with `options`, made once per distinct options:
+        a new one per submit would be pickled and exported to the cluster again each time."""
+        try:
+            key = orjson.dumps(
+                options, option=orjson.OPT_SORT_KEYS | orjson.OPT_PASSTHROUGH_DATACLASS
+            )
+        except TypeError:  # options holding objects (a scheduling strategy): not cached
+            return ray.remote(**options)(run_on_ray)
+        if key not in self._remote_functions:
+            self._remote_functions[key] = ray.remote(**options)(run_on_ray)
+        return self._remote_functions[key]
 
     def submit(
         self,
@@ -147,20 +200,7 @@ class RayClusterTaskRunner(RayTaskRunner):
             k: collect_task_run_inputs_sync(v, future_cls=PrefectRayFuture)
             for k, v in parameters.items()
         }
-        context = serialize_context(
-            asset_ctx_kwargs={
-                "task": task,
-                "task_run_id": task_run_id,
-                "task_inputs": task_inputs,
-                "copy_to_child_ctx": True,
-            }
-        )
-        settings_context = context.get("settings_context") or {}
-        settings_context["settings"] = deep_merge(
-            settings_context.get("settings") or {}, self.worker_settings
-        )
-        context["settings_context"] = settings_context
-
+        context = self.shipper.context(task, task_run_id, task_inputs)
         parameters, upstream_refs = self._exchange_prefect_for_ray_futures(parameters)
         options = {
             **self.remote_defaults,
@@ -169,7 +209,10 @@ class RayClusterTaskRunner(RayTaskRunner):
         }
         flow_run = FlowRunContext.get()
         flow_run_id = flow_run.flow_run.id if flow_run and flow_run.flow_run else None
-        if flow_run_id is not None and self._flow_run_id is None:
+        if self._warn_ray_client:
+            self._warn_ray_client = False
+            get_run_logger().warning(RAY_CLIENT_LIMITS)
+        if flow_run_id is not None and self._flow_run_id is None and self._links_flow_run:
             # Not found while entering: linked at the first submit instead.
             self._flow_run_id = flow_run_id
             self._link_flow_run(flow_run_id)
@@ -177,7 +220,7 @@ class RayClusterTaskRunner(RayTaskRunner):
             task.name if flow_run_id is None else ray_task_name(task.name, flow_run_id, task_run_id)
         )
         object_ref = (
-            ray.remote(**options)(run_on_ray)
+            self._remote_function(options)
             .options(name=name)
             .remote(
                 *upstream_refs,
@@ -194,6 +237,15 @@ class RayClusterTaskRunner(RayTaskRunner):
         future.task = task
         future.flow_run_id = flow_run_id
         return future
+
+
+def in_ray_worker() -> bool:
+    """This process is a Ray worker (not a driver, nor a Ray Client)."""
+    return (
+        "ray" in sys.modules
+        and ray.is_initialized()
+        and ray._private.worker.global_worker.mode == ray._private.worker.WORKER_MODE
+    )
 
 
 class CrashRecordingRayFuture(PrefectRayFuture):
@@ -220,17 +272,34 @@ class CrashRecordingRayFuture(PrefectRayFuture):
         self._crash_recorded = True
         try:
             with get_client(sync_client=True) as client:
-                try:
-                    client.set_task_run_state(self.task_run_id, state, force=True)
-                except (ObjectNotFound, httpx.HTTPStatusError) as missing:
-                    if getattr(getattr(missing, "response", None), "status_code", 404) != 404:
-                        raise
+                if not self._set_state_when_known(client, state):
                     client.create_task_run(
                         self.task,
                         self.flow_run_id,
                         dynamic_key=str(self.task_run_id),
                         id=self.task_run_id,
+                        name=f"{self.task.name}-{self.task_run_id.hex[:3]}",
                         state=state,
                     )
         except Exception as error:  # the flow still sees Crashed; only the UI lags
             logger.warning("Could not record Crashed for task run %s: %s", self.task_run_id, error)
+
+    def _set_state_when_known(self, client: Any, state: Any) -> bool:
+        """Force `state` on the task run once the API has caught up with the dead worker (its
+        Running event recorded: that event also counts the attempt, and an event recorded
+        after a newer state is dropped), CRASH_EVENTS_LAG_S at most. False when the API never
+        heard of the run."""
+        deadline = time.monotonic() + CRASH_EVENTS_LAG_S
+        while True:
+            try:
+                known = client.read_task_run(self.task_run_id)
+            except ObjectNotFound:
+                known = None
+            caught_up = known is not None and known.state is not None and known.state.is_running()
+            if caught_up or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        if known is None:
+            return False
+        client.set_task_run_state(self.task_run_id, state, force=True)
+        return True

@@ -56,12 +56,26 @@ def deep_merge(base: dict[str, Any], updates: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def adopt_flow_settings(context: dict[str, Any]) -> None:
+def adopt_flow_settings(settings: SettingsContext) -> None:
     """In a Ray worker: make the flow's settings this process's global ones. The task engine
-    hydrates them per task, but Prefect's background services (the API log worker, the events
+    enters them per task, but Prefect's background services (the API log worker, the events
     worker) run in their own thread and read the process-global settings: without this they
     have no API URL, start a temporary server, and the task's logs never reach its task run."""
-    wanted = context["settings_context"]["settings"]["api"]["url"]
-    if prefect.context.GLOBAL_SETTINGS_CONTEXT.settings.api.url != wanted:
-        # Building settings re-reads env and profiles: done once per process.
-        prefect.context.GLOBAL_SETTINGS_CONTEXT = SettingsContext(**context["settings_context"])
+    if prefect.context.GLOBAL_SETTINGS_CONTEXT is not settings:
+        prefect.context.GLOBAL_SETTINGS_CONTEXT = settings
+
+
+def route_events(settings: SettingsContext) -> None:
+    """In a Ray worker: send events to the API of `settings`. Prefect keeps one events worker
+    per process and client type, connected to the API current when it started; a worker
+    shared by flow runs on two APIs would send the second one's task run states to the first.
+    Keyed by the API, each gets its own."""
+    from prefect.events.clients import PrefectCloudEventsClient, PrefectEventsClient
+    from prefect.events.worker import EventsWorker
+
+    api = settings.settings.api
+    if api.url.startswith(settings.settings.cloud.api_url):
+        key = api.key.get_secret_value() if api.key else None
+        EventsWorker.set_client_override(PrefectCloudEventsClient, api_url=api.url, api_key=key)
+    else:
+        EventsWorker.set_client_override(PrefectEventsClient, api_url=api.url)

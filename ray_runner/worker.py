@@ -15,7 +15,6 @@ importing this package and Prefect.
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import time
 import types
@@ -24,9 +23,9 @@ from typing import Any
 from uuid import UUID
 
 from prefect._flow_run_suspension import raise_if_flow_run_suspension_requested
-from prefect.client.orchestration import get_client
+from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.objects import TaskRun
-from prefect.context import SettingsContext
+from prefect.events.worker import EventsWorker
 from prefect.futures import PrefectFuture
 from prefect.logging.loggers import get_logger
 from prefect.states import AwaitingRetry, State
@@ -36,9 +35,10 @@ from prefect.utilities.collections import visit_collection
 from prefect.utilities.engine import emit_task_run_state_change_event
 from prefect.utilities.importtools import lazy_import
 
+from ray_runner.contexts import worker_context
 from ray_runner.lineage import NAME_TAG, child_tasks_key, prefect_ids_in_name, ray_task_name
 from ray_runner.logs import TaskRunLogs
-from ray_runner.settings import adopt_flow_settings
+from ray_runner.settings import adopt_flow_settings, route_events
 from workloads.constants import PROJECT_NAMESPACE
 
 # Ray loads on first use (as in prefect-ray): importing a flow module must not pay for it.
@@ -47,6 +47,7 @@ ray = lazy_import("ray")
 logger = get_logger(__name__)
 
 RETRY_DELAY_OFF_SLOT_S = 0.5  # shorter retry delays are slept in place
+EVENTS_SENT_TIMEOUT_S = 5.0  # at most this long for a Running event to be sent
 BY_VALUE_MODULE = "prefect_ray_by_value"  # a module name no worker can import
 
 
@@ -61,8 +62,11 @@ def run_on_ray(
     dependencies: dict[str, set[Any]] | None = None,
 ) -> Any:
     """Run one Prefect task run in a Ray worker; when Ray re-runs it after a system failure,
-    continue the same task run as its next, recorded attempt."""
-    adopt_flow_settings(context)
+    continue the same task run as its next, recorded attempt. `context` comes from
+    contexts.ContextShipper; its settings, client and flow run context are cached per process."""
+    prefect_context = worker_context(context)
+    adopt_flow_settings(prefect_context.settings)
+    route_events(prefect_context.settings)
     tag_child_tasks()
     parameters = visit_collection(
         parameters,
@@ -70,56 +74,54 @@ def run_on_ray(
         return_data=True,
     )
     attempt = ray._private.worker.global_worker.core_worker.get_current_task_attempt_number()
-    task_run = None
-    if attempt > 0:
-        time.sleep(crash_backoff_s * 2 ** (attempt - 1))
-        task_run = continue_after_crash(task_run_id, context, attempt)
-    kwargs: dict[str, Any] = dict(
-        task=task,
-        parameters=parameters,
-        wait_for=wait_for,
-        dependencies=dependencies,
-        context=context,
-    )
-    if task_run is None:
-        kwargs["task_run_id"] = task_run_id
-    else:
-        kwargs["task_run"] = task_run
-    logs = TaskRunLogs(context)
-    try:
-        if task.isasync:
-            return asyncio.run(run_async(kwargs))
-        lost_attempts = attempt if attempt > 0 and task_run is None else 0
-        return run_sync(kwargs, lost_attempts)
-    finally:
-        logs.send()
+    with prefect_context.entered():
+        task_run = None
+        if attempt > 0:
+            time.sleep(crash_backoff_s * 2 ** (attempt - 1))
+            task_run = continue_after_crash(task_run_id, prefect_context.client.client, attempt)
+        kwargs: dict[str, Any] = dict(
+            task=task,
+            parameters=parameters,
+            wait_for=wait_for,
+            dependencies=dependencies,
+            context=prefect_context.engine_context,
+        )
+        if task_run is None:
+            kwargs["task_run_id"] = task_run_id
+        else:
+            kwargs["task_run"] = task_run
+        logs = TaskRunLogs(prefect_context.settings)
+        try:
+            if task.isasync:
+                return prefect_context.run_async(lambda: run_async(kwargs))
+            lost_attempts = attempt if attempt > 0 and task_run is None else 0
+            return run_sync(kwargs, lost_attempts)
+        finally:
+            logs.send()
 
 
 def continue_after_crash(
-    task_run_id: UUID, context: dict[str, Any], attempt: int
+    task_run_id: UUID, client: SyncPrefectClient, attempt: int
 ) -> TaskRun | None:
     """The crashed attempt's task run, marked AwaitingRetry; None when the crashed worker
     died before the API heard of it (the engine then creates the run afresh)."""
-    with SettingsContext(**context["settings_context"]):
-        try:
-            with get_client(sync_client=True) as client:
-                task_run = client.read_task_run(task_run_id)
-        except Exception as error:
-            logger.debug(
-                "Task run %s is not in the API (%r): its crashed worker died "
-                "before sending its events",
-                task_run_id,
-                error,
-            )
-            return None
-        previous = task_run.state
-        task_run.state = AwaitingRetry(
-            scheduled_time=None,
-            message=f"Ray worker crashed; Ray re-run {attempt} of this task run",
+    try:
+        task_run = client.read_task_run(task_run_id)
+    except Exception as error:
+        logger.debug(
+            "Task run %s is not in the API (%r): its crashed worker died before sending its events",
+            task_run_id,
+            error,
         )
-        emit_task_run_state_change_event(
-            task_run=task_run, initial_state=previous, validated_state=task_run.state
-        )
+        return None
+    previous = task_run.state
+    task_run.state = AwaitingRetry(
+        scheduled_time=None,
+        message=f"Ray worker crashed; Ray re-run {attempt} of this task run",
+    )
+    emit_task_run_state_change_event(
+        task_run=task_run, initial_state=previous, validated_state=task_run.state
+    )
     return task_run
 
 
@@ -147,20 +149,44 @@ def wait_retry_delay_off_slot(state: State | None) -> None:
         )
 
 
+def wait_events_sent(timeout: float = EVENTS_SENT_TIMEOUT_S) -> None:
+    """Wait (at most `timeout` s) until this process's events worker has sent every queued
+    event. Run before a task body starts: a worker that dies in the body (os._exit, OOM kill)
+    then leaves its Running state recorded, so the crash counts as an attempt."""
+    pending = EventsWorker.instance()._queue  # a queue.Queue, task_done() once sent
+    deadline = time.monotonic() + timeout
+    with pending.all_tasks_done:
+        while pending.unfinished_tasks and (remaining := deadline - time.monotonic()) > 0:
+            pending.all_tasks_done.wait(remaining)
+
+
 class RaySyncTaskRunEngine(SyncTaskRunEngine):
-    """Prefect's sync task engine, waiting out retry delays off the Ray CPU slot."""
+    """Prefect's sync task engine, waiting out retry delays off the Ray CPU slot and each
+    Running state's event sent before the attempt's body starts."""
 
     def wait_until_ready(self) -> None:
         wait_retry_delay_off_slot(self.state)
         super().wait_until_ready()
 
+    def set_state(self, state: State, force: bool = False) -> State:
+        new_state = super().set_state(state, force)
+        if new_state.is_running():
+            wait_events_sent()
+        return new_state
+
 
 class RayAsyncTaskRunEngine(AsyncTaskRunEngine):
-    """Prefect's async task engine, waiting out retry delays off the Ray CPU slot."""
+    """Prefect's async task engine, waiting as RaySyncTaskRunEngine does."""
 
     async def wait_until_ready(self) -> None:
         wait_retry_delay_off_slot(self.state)  # blocks this task's own event loop only
         await super().wait_until_ready()
+
+    async def set_state(self, state: State, force: bool = False) -> State:
+        new_state = await super().set_state(state, force)
+        if new_state.is_running():
+            wait_events_sent()  # the events worker runs on Prefect's own loop thread
+        return new_state
 
 
 def run_sync(kwargs: dict[str, Any], lost_attempts: int = 0) -> State:

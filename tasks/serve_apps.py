@@ -1,21 +1,24 @@
 """The Serve apps of a rollout as built from the blocks: the apps' runtime_env from the
-RayCluster block, and a version's app config and router target from the MLflowServer block.
-Plain helpers called by the rollout flow, not tasks."""
+RayCluster block, a version's app config and router target from the MLflowServer block, and
+the route a rollout holds. Plain helpers called by the rollout flow, not tasks."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import ray
 
 from blocks import MLflowServer, RayCluster
 from blocks.ray_cluster import PROJECT_PACKAGES
+from tasks.route_claim import RouteClaim
 from tasks.serve_config import LLMServing, Serving
 from workloads import serve_control
 from workloads.llm import llm_app_config
-from workloads.router import Target
+from workloads.router_config import RolloutRecord, RouterConfig, Target
 
-__all__ = ["model_spec", "serving_runtime_env", "version_app"]
+__all__ = ["RouteContext", "model_spec", "route_context", "serving_runtime_env", "version_app"]
 
 
 def serving_runtime_env(cluster: RayCluster) -> dict[str, Any]:
@@ -72,3 +75,46 @@ def version_app(
         return config, Target(spec["version"], app, "policy", spec), serving.health_check_period_s
     config = llm_app_config(app, llm.app_args(mlflow_server, model_name, version), runtime_env)
     return config, Target(str(version), app, "llm"), llm.health_check_period_s
+
+
+@dataclass(frozen=True)
+class RouteContext:
+    """The route a rollout changes while it holds it: how its router is written (runtime_env,
+    router options, per-request timeout, fallback), and the claim each write is made under."""
+
+    route: str
+    runtime_env: dict[str, Any]
+    router_options: dict[str, Any]
+    timeout_s: float
+    fallback: bool
+    claim: RouteClaim
+
+    def record(self, stage: Literal["canary", "bake"], version: str) -> RolloutRecord:
+        """The router's record that this rollout holds the route, and at which stage."""
+        return RolloutRecord(self.claim.holder, stage, str(version), time.time())
+
+    def config(self, **fields: Any) -> RouterConfig:
+        return RouterConfig(timeout_s=self.timeout_s, fallback=self.fallback, **fields)
+
+    def write(self, config: RouterConfig, **wait: Any) -> RouterConfig:
+        """Apply `config` (a new generation) and wait until the router answers with it; only
+        while this rollout still holds the route."""
+        self.claim.check()
+        return serve_control.write_router(
+            self.route, config, self.runtime_env, self.router_options, **wait
+        )
+
+
+def route_context(
+    route: str, cluster: RayCluster, serving: Serving, gates: Any, claim: RouteClaim
+) -> RouteContext:
+    """The route as a rollout holding `claim` writes it (`gates` gives the router's request
+    timeout and fallback)."""
+    return RouteContext(
+        route=route,
+        runtime_env=serving_runtime_env(cluster),
+        router_options=serving.router_options(),
+        timeout_s=gates.request_timeout_s,
+        fallback=gates.fallback,
+        claim=claim,
+    )

@@ -77,6 +77,21 @@ class Gates(BaseModel):
     request_timeout_s: float = Field(
         10.0, gt=0, description="The router's per-request timeout (504 after it)."
     )
+    fallback: bool = Field(
+        True,
+        description="Answer a request the candidate (or, during the bake, the new version) "
+        "fails with a 5xx, a connection error or a timeout once more from the version that "
+        "served before it, within the request's timeout; the failure still counts against the "
+        "candidate. Turn off when requests are not idempotent.",
+    )
+    lease_s: float = Field(
+        15.0,
+        ge=3,
+        le=30,
+        description="How long the rollout's hold on the route lasts unless renewed (it renews "
+        "every third of it while it runs). When it lapses, the router stops sending the "
+        "candidate any traffic and the next reconcile may take over.",
+    )
     smoke_prompt: str = Field(
         "Hello",
         min_length=1,

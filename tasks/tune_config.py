@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from workloads import rllib
 
@@ -92,6 +92,24 @@ class TrialResourceSettings(BaseModel):
         default=1, gt=0, description="CPUs for the trial's main process (algorithm and learner)."
     )
     gpus: float = Field(default=0, ge=0, description="GPUs for the trial's learner.")
+    custom: dict[str, float] = Field(
+        default_factory=dict,
+        description=(
+            "Custom Ray resources the trial's main process and each env runner ask for, e.g. "
+            "{'worker_node': 1} to run trials only on nodes started with "
+            "`ray start --resources '{\"worker_node\": N}'`."
+        ),
+    )
+
+    @field_validator("custom")
+    @classmethod
+    def _check_custom(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"custom resource {name!r} is not custom: use cpus or gpus")
+            if not amount > 0:
+                raise ValueError(f"custom resource {name!r} needs an amount > 0, got {amount!r}")
+        return value
 
     def to_workload(self) -> rllib.TrialResources:
         return rllib.TrialResources(**self.model_dump())
@@ -116,7 +134,11 @@ class SweepConfig(BaseModel):
     algorithm: str = Field(default="PPO", description="RLlib algorithm name, e.g. PPO, APPO, DQN.")
     environment: str = Field(
         default="CartPole-v1",
-        description="A Gymnasium id, or 'module:function' env creator that takes env_config.",
+        description=(
+            "A Gymnasium id, or a 'module:function' env creator that takes env_config; the "
+            "module must be importable on the cluster (ship it with the RayCluster block's "
+            "runtime_env working_dir or py_modules) and in the flow process (evaluation)."
+        ),
     )
     env_config: dict[str, Any] = Field(
         default_factory=dict, description="Passed to the env creator (or gymnasium.make)."

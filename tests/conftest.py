@@ -1,26 +1,104 @@
 """Session-wide real services: one Ray head (`ray start --head`), one MLflow server and one
 Prefect server, started through deployments.local on free ports with their own temp dirs,
-and stopped by pid after the session."""
+and stopped by pid after the session.
+
+Only tests that need them start them: a test whose fixtures reach `stack` is marked
+`services` at collection, so `pytest -m "not services"` runs the pure tests in seconds."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from deployments.stack import Stack, temporary_stack
+from workloads.constants import llm_python
 from workloads.rllib import module_path
 
 # Logical CPUs of the shared test head: trials and tasks are tiny, so the 2-core CI machine
 # is oversubscribed on purpose rather than queueing every test behind one another.
 RAY_HEAD_CPUS = 4
+# Set by `make test` (and so CI): a missing LLM venv fails the LLM tests instead of skipping.
+REQUIRE_LLM_ENV = "RLT_REQUIRE_LLM"
+SERVICE_FIXTURES = {"stack", "prefect_api"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SERVICE_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.services)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """LLM tests need the vLLM venv: skipped without it, failed without it under make test."""
+    if item.get_closest_marker("llm") is None or Path(llm_python()).exists():
+        return
+    message = f"no LLM venv at {llm_python()} (`make llm-venv` builds it)"
+    if os.environ.get(REQUIRE_LLM_ENV):
+        pytest.fail(f"{message}; {REQUIRE_LLM_ENV} is set, so this is a failure", pytrace=False)
+    pytest.skip(f"{message}; set {REQUIRE_LLM_ENV}=1 to fail instead")
 
 
 @pytest.fixture(scope="session")
 def stack() -> Stack:
-    with temporary_stack(RAY_HEAD_CPUS) as services:
+    """The services, with this process (and the subprocesses tests start) pointed at them."""
+    with temporary_stack(RAY_HEAD_CPUS) as services, pointed_at(services):
         yield services
+
+
+@pytest.fixture(scope="session")
+def prefect_api(stack: Stack) -> Stack:
+    return stack
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_temporary_prefect_server():
+    """Outside the services there is no Prefect API: a flow run or Prefect client that does
+    not ask for them fails at once instead of starting Prefect's temporary server in this
+    process (20 s, and a stray server to stop at exit). It holds in this thread and in the
+    others (they read Prefect's global settings, rebuilt here from the environment);
+    subprocesses are not bound."""
+    from prefect.context import refresh_global_settings_context
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_ENABLED, temporary_settings
+
+    with _environment({PREFECT_SERVER_EPHEMERAL_ENABLED.name: "false"}):
+        refresh_global_settings_context()
+    try:
+        with temporary_settings(updates={PREFECT_SERVER_EPHEMERAL_ENABLED: False}):
+            yield
+    finally:
+        refresh_global_settings_context()
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values`, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Keep faulthandler on once pytest turns its own off, through interpreter exit: a crash
+    after the summary (Ray or Serve threads outliving the session) then prints every thread's
+    stack instead of a bare exit code 139."""
+    import atexit
+    import faulthandler
+
+    atexit.register(faulthandler.enable, all_threads=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,9 +113,15 @@ def no_stray_ray():
         pytest.fail("the module left a Ray connection (or Ray auto-started one) behind")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def prefect_api(stack: Stack):
-    """Point this process (and the subprocesses tests start) at the session's servers."""
+@contextlib.contextmanager
+def pointed_at(stack: Stack) -> Iterator[None]:
+    """Point this process, its threads and the subprocesses tests start at the session's
+    servers. temporary_settings reaches this thread only: other threads read Prefect's global
+    settings, refreshed here from the environment (without it, a flow run in a thread starts
+    Prefect's temporary server)."""
+    from prefect.context import refresh_global_settings_context
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     overrides = {
@@ -47,15 +131,25 @@ def prefect_api(stack: Stack):
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": str(stack.state_dir / "ray_auth_token"),
     }
-    saved = {k: os.environ.get(k) for k in (*overrides, "RAY_AUTH_TOKEN")}
-    os.environ.update(overrides)
-    with temporary_settings(updates={PREFECT_API_URL: stack.prefect_api_url}):
-        yield stack
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
+    # Blocks export the token they carry into RAY_AUTH_TOKEN: put back what was there before.
+    token = os.environ.get("RAY_AUTH_TOKEN")
+    try:
+        with _environment(overrides):
+            refresh_global_settings_context()
+            with temporary_settings(updates={PREFECT_API_URL: stack.prefect_api_url}):
+                try:
+                    yield
+                finally:
+                    # Send what is queued while the server still runs: drained at exit, with
+                    # no API URL left, Prefect would start a temporary server to send it to.
+                    for worker in (EventsWorker, APILogWorker):
+                        worker.drain_all(timeout=30)
+    finally:
+        if token is None:
+            os.environ.pop("RAY_AUTH_TOKEN", None)
         else:
-            os.environ[key] = value
+            os.environ["RAY_AUTH_TOKEN"] = token
+        refresh_global_settings_context()
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import pytest
 
 from workloads.canary import GateFailed, Judgement, Thresholds, early_failure, judge, judge_llm
 from workloads.constants import LLM_DEPLOYMENT, POLICY_DEPLOYMENT
-from workloads.router import RouterConfig, Target
+from workloads.router_config import RouterConfig, Target
 from workloads.serving import Faults, serving_options
 
 LIVE = {"requests": 400, "errors": 0, "p99_ms": 10.0}

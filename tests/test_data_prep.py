@@ -14,12 +14,14 @@ import pyarrow.compute  # noqa: F401 - pa.compute
 import pyarrow.parquet as pq
 import pytest
 from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
     FlowFilter,
     FlowFilterName,
     FlowRunFilter,
     FlowRunFilterId,
 )
-from prefect.client.schemas.sorting import FlowRunSort
+from prefect.client.schemas.sorting import ArtifactSort, FlowRunSort
 from prefect.states import StateType
 
 from blocks import RayCluster
@@ -171,8 +173,11 @@ def test_bad_rows_go_to_the_quarantine_with_exact_counts_and_reasons(
         "prepare_dataset"
     ]
     assert {r.state.type for r in task_runs} == {StateType.COMPLETED}
-    artifact = prefect_client.read_artifacts(limit=50)
-    assert any(a.key == "data-prep" and result.fingerprint in str(a.data) for a in artifact)
+    artifacts = prefect_client.read_artifacts(
+        artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["data-prep"])),
+        sort=ArtifactSort.CREATED_DESC,
+    )
+    assert any(result.fingerprint in str(a.data) for a in artifacts)
 
 
 def test_the_split_is_stable_across_runs_and_file_layouts(stack, tmp_path):
@@ -309,7 +314,7 @@ def test_a_job_that_fails_midway_leaves_no_partial_output(stack, tmp_path, monke
         ("bad-key", "column 'key' is not in the schema"),
     ],
 )
-def test_bad_sources_fail_clearly_before_any_ray_work(tmp_path, case, message):
+def test_bad_sources_fail_clearly_before_any_ray_work(prefect_api, tmp_path, case, message):
     source = tmp_path / "src"
     source.mkdir()
     schema = None

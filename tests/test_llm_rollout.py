@@ -5,7 +5,6 @@ include time to first token and tokens/s, and streaming through the router."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import uuid
@@ -20,13 +19,12 @@ from flows.rollout import serve_rollout
 from tasks.serve_config import Gates, LLMServing, Serving
 from workloads import registry, serve_control
 from workloads.constants import llm_python
+from workloads.route_state import drop_route_state
 from workloads.tiny_llm import build_tiny_llm
 
 pytestmark = [pytest.mark.llm, pytest.mark.slow]
 
-LLM_PYTHON = Path(llm_python())
-if not LLM_PYTHON.exists() and not os.environ.get("RLT_REQUIRE_LLM"):
-    pytest.skip(f"no LLM venv at {LLM_PYTHON} (`make llm-venv` builds it)", allow_module_level=True)
+LLM_PYTHON = Path(llm_python())  # tests/conftest.py skips or fails llm tests without it
 
 ROUTE = "llm-test"
 LLM = LLMServing(
@@ -81,15 +79,17 @@ def llm_model(stack, tmp_path_factory):
                     if a.startswith(name) or a == serve_control.router_app_name(ROUTE)
                 }
             )
-            serve_control.drop_route_stats(ROUTE)
+            drop_route_state(ROUTE)
 
 
-def completion(port: int, model: str, stream: bool = False) -> requests.Response:
+def completion(
+    port: int, model: str, stream: bool = False, max_tokens: int = 8
+) -> requests.Response:
+    body = {"model": model, "prompt": "hello", "max_tokens": max_tokens, "stream": stream}
+    if stream:
+        body["ignore_eos"] = True
     return requests.post(
-        f"http://127.0.0.1:{port}/{ROUTE}/v1/completions",
-        timeout=60,
-        json={"model": model, "prompt": "hello", "max_tokens": 8, "stream": stream},
-        stream=stream,
+        f"http://127.0.0.1:{port}/{ROUTE}/v1/completions", timeout=60, json=body, stream=stream
     )
 
 
@@ -132,17 +132,27 @@ def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(st
         thread.join(timeout=60)
     assert result.outcome == "promoted", result
     canary = next(e for e in result.timeline if e["stage"].startswith("canary"))
-    assert canary["figures"]["candidate_llm"]["completion_tokens"] > 0, canary
+    # The figures the LLM judgement compared: without them it would have judged nothing.
+    for side in ("candidate_llm", "live_llm"):
+        figures = canary["figures"][side]
+        assert figures["completion_tokens"] > 0, canary
+        assert figures["ttft_p99_ms"] > 0 and figures["tokens_per_s_p50"] > 0, canary
     assert [a for a in answers if a[0] != 200] == []
     assert {a[1] for a in answers} == {"1", "2"} and all(a[2] > 0 for a in answers)
     live = registry.resolve_alias(llm_model["client"], llm_model["name"], registry.LIVE)
     assert live.version == "2"
 
-    # Streaming crosses the router chunk by chunk, tagged with the live version.
-    response = completion(stack.serve_port, llm_model["name"], stream=True)
+    # Streaming crosses the router chunk by chunk, tagged with the live version: the events
+    # arrive one by one as tokens are generated, not together once the answer is done.
+    response = completion(stack.serve_port, llm_model["name"], stream=True, max_tokens=24)
     assert response.status_code == 200 and response.headers["X-Model-Version"] == "2"
-    events = [
-        line[6:] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")
+    arrivals = [
+        (time.perf_counter(), line[6:])
+        for line in response.iter_lines(decode_unicode=True)
+        if line.startswith("data: ")
     ]
+    events = [event for _, event in arrivals]
     assert events[-1] == "[DONE]" and len(events) > 2
     assert all("choices" in json.loads(e) for e in events[:-1])
+    apart = sum(b - a > 0.002 for (a, _), (b, _) in zip(arrivals, arrivals[1:], strict=False))
+    assert apart >= 3, [round(t - arrivals[0][0], 4) for t, _ in arrivals]

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from deployments import local
 
 
@@ -34,6 +36,7 @@ def _cli(state_dir: Path, *args: str, ports: tuple[int, int, int]) -> subprocess
     )
 
 
+@pytest.mark.services  # starts services of its own
 def test_up_twice_status_down_leaves_nothing_running(tmp_path):
     ports = tuple(local.free_ports(3))
     services = ("prefect", "mlflow", "receiver")
@@ -68,6 +71,7 @@ def test_up_twice_status_down_leaves_nothing_running(tmp_path):
     assert _cli(tmp_path, "down", ports=ports).stdout.count("not running") == len(services)
 
 
+@pytest.mark.services
 def test_a_port_taken_by_someone_else_is_a_clear_error(tmp_path):
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))

@@ -22,6 +22,7 @@ from deployments import lineage as walkback
 from deployments import setup
 from tasks import lineage
 from workloads import registry, serve_control
+from workloads.route_state import drop_route_state
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -134,10 +135,80 @@ def environment(stack):
                 if a.startswith(model_name) or a == serve_control.router_app_name(ROUTE)
             }
             serve_control.apply(deletes=apps)
-            serve_control.drop_route_stats(ROUTE)
+            drop_route_state(ROUTE)
 
 
-def test_train_and_ship_deployment_run_serves_its_version(stack, environment, prefect_client):
+def run_deployment(prefect_client, cli_env: dict, params: dict, state_dir: Path):
+    """`prefect deployment run train-and-ship/...` and its final flow run, Completed."""
+    out = cli(
+        ["deployment", "run", "train-and-ship/train-and-ship", "--params", json.dumps(params)],
+        cli_env,
+        timeout=120,
+    )
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+    run = wait_final(prefect_client, flow_run_id, RUN_TIMEOUT_S)
+    assert run.state.is_completed(), (
+        f"{run.state.name}: {run.state.message}; worker log: "
+        f"{setup.worker_service(state_dir).log_file}"
+    )
+    return run
+
+
+def subflows(prefect_client, run) -> dict:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    children = prefect_client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])
+        )
+    )
+    assert all(c.state.is_completed() for c in children)
+    return {prefect_client.read_flow(c.flow_id).name: c for c in children}
+
+
+def summary(prefect_client, run) -> str:
+    """The run's own `train-and-ship` artifact."""
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
+
+    (artifact,) = prefect_client.read_artifacts(
+        artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["train-and-ship"]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]),
+        )
+    )
+    return str(artifact.data)
+
+
+def set_schedules(state: str, cli_env: dict, ray_address: str) -> None:
+    """`python -m deployments.setup --schedules on|off` against the environment's Prefect API
+    (with --ray-address, setup takes the environment's, not the local services')."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deployments.setup",
+            "--schedules",
+            state,
+            "--ray-address",
+            ray_address,
+        ],
+        env=cli_env,
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count(f": {state}") == 2, done.stdout  # the nightly run and reconcile
+
+
+def test_train_and_ship_deployments_ship_a_better_version_and_keep_live_otherwise(
+    stack, environment, prefect_client, tmp_path
+):
     env, model_name = environment
     timings = {}
     started = time.monotonic()
@@ -158,9 +229,36 @@ def test_train_and_ship_deployment_run_serves_its_version(stack, environment, pr
         "train-and-ship",
     ):
         assert f"/{name}'" in out, out[-2000:]
-    deployment = prefect_client.read_deployment_by_name("train-and-ship/train-and-ship")
-    schedules = prefect_client.read_deployment_schedules(deployment.id)
-    assert schedules and not any(s.active for s in schedules)  # defined, off by default
+
+    # Schedules are defined but off after a deploy; setup turns them on, and off again here
+    # (before the worker starts, so no scheduled run is picked up).
+    scheduled = [
+        prefect_client.read_deployment_by_name(f"{name}/{name}") for name in setup.SCHEDULED
+    ]
+
+    def active() -> list[bool]:
+        return [s.active for d in scheduled for s in prefect_client.read_deployment_schedules(d.id)]
+
+    assert active() and not any(active())
+    set_schedules("on", cli_env, stack.ray_address)
+    assert all(active())
+    set_schedules("off", cli_env, stack.ray_address)
+    assert not any(active())
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterId,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+
+    for stray in prefect_client.read_flow_runs(
+        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[d.id for d in scheduled])),
+        flow_run_filter=FlowRunFilter(
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["SCHEDULED"]))
+        ),
+    ):
+        prefect_client.delete_flow_run(stray.id)
 
     started = time.monotonic()
     print(setup.start_worker(stack.state_dir, env.client_env, env.work_pool))
@@ -176,31 +274,13 @@ def test_train_and_ship_deployment_run_serves_its_version(stack, environment, pr
         "storage_root": str(stack.state_dir / "sweeps"),
     }
     started = time.monotonic()
-    out = cli(
-        ["deployment", "run", "train-and-ship/train-and-ship", "--params", json.dumps(params)],
-        cli_env,
-        timeout=120,
-    )
-    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
-    run = wait_final(prefect_client, flow_run_id, RUN_TIMEOUT_S)
+    run = run_deployment(prefect_client, cli_env, params, stack.state_dir)
+    flow_run_id = str(run.id)
     timings["run"] = time.monotonic() - started
-    print("timings (s):", {k: round(v, 1) for k, v in timings.items()})
-    assert run.state.is_completed(), (
-        f"{run.state.name}: {run.state.message}; worker log: "
-        f"{setup.worker_service(stack.state_dir).log_file}"
-    )
 
     # Its subflows, each Completed, under this run.
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
-
-    children = prefect_client.read_flow_runs(
-        flow_run_filter=FlowRunFilter(
-            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])
-        )
-    )
-    by_flow = {prefect_client.read_flow(c.flow_id).name: c for c in children}
+    by_flow = subflows(prefect_client, run)
     assert set(by_flow) == {"tune-sweep", "register-and-promote", "serve-rollout"}
-    assert all(c.state.is_completed() for c in children)
 
     # MLflow: version 1, champion and live, with lineage back to the runs and the sweep.
     client = MlflowClient(stack.mlflow_uri)
@@ -218,18 +298,36 @@ def test_train_and_ship_deployment_run_serves_its_version(stack, environment, pr
         assert registry.resolve_alias(client, model_name, alias).version == "1"
 
     # The route serves that version over HTTP.
-    answer = walkback.ask(f"http://127.0.0.1:{stack.serve_port}/{ROUTE}", OBSERVATION)
+    route_url = f"http://127.0.0.1:{stack.serve_port}/{ROUTE}"
+    answer = walkback.ask(route_url, OBSERVATION)
     assert (answer["status"], answer["version"]) == (200, "1"), answer
     assert answer["answer"]["action"] in (0, 1) and answer["answer"]["model_version"] == "1"
 
-    # The walk from that answer back to the runs that made it.
-    walked = walkback.walk(
-        f"http://127.0.0.1:{stack.serve_port}/{ROUTE}", model_name, stack.mlflow_uri
+    # The walk from that answer back to the runs that made it, as a user runs it.
+    walk = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deployments.lineage",
+            "--url",
+            route_url,
+            "--model",
+            model_name,
+            "--mlflow-uri",
+            stack.mlflow_uri,
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
+    assert walk.returncode == 0, walk.stderr[-3000:]
+    walked = json.loads(walk.stdout)
     assert walked["served"]["version"] == "1"
     assert walked["pipeline_flow_run"].endswith(flow_run_id)
     assert walked["sweep_flow_run"].endswith(str(by_flow["tune-sweep"].id))
     assert walked["rollout"]["flow_run_id"] == str(by_flow["serve-rollout"].id)
+    assert walked["mlflow_version"].endswith(f"/models/{model_name}/versions/1")
 
     # Prefect assets: route <- app <- model version <- experiment.
     cluster, server = stack.ray_cluster(), MLflowServer(tracking_uri=stack.mlflow_uri)
@@ -243,8 +341,36 @@ def test_train_and_ship_deployment_run_serves_its_version(stack, environment, pr
     for downstream, upstream in zip(chain, chain[1:], strict=False):
         event = asset_event(prefect_client, downstream)
         assert upstream in {r.id for r in event.related}, (downstream, event.related)
-    summary = [a for a in prefect_client.read_artifacts(limit=50) if a.key == "train-and-ship"]
-    assert any(f"{model_name} v1" in str(a.data) and ROUTE in str(a.data) for a in summary)
+    assert f"{model_name} v1" in summary(prefect_client, run)
+
+    # A second run, on a prepared dataset, whose version is not better than the champion
+    # (by the margin): registered and the challenger, but live keeps serving version 1.
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "part-0.csv").write_text(
+        "id,x\n" + "".join(f"{i},{i % 7 / 7:.3f}\n" for i in range(40))
+    )
+    data = {"source": str(source), "output": str(tmp_path / "prepared"), "split_key": "id"}
+    started = time.monotonic()
+    one_iteration = {**TINY_SWEEP, "stop": {**TINY_SWEEP["stop"], "training_iterations": 1}}
+    second_params = {**params, "sweep": one_iteration, "data": data, "margin": 1e6}
+    second = run_deployment(prefect_client, cli_env, second_params, stack.state_dir)
+    timings["second run"] = time.monotonic() - started
+    print("timings (s):", {k: round(v, 1) for k, v in timings.items()})
+    by_flow = subflows(prefect_client, second)
+    assert set(by_flow) == {"data-prep", "tune-sweep", "register-and-promote"}
+    tags = client.get_model_version(model_name, "2").tags
+    assert tags[tag + "promotion.verdict"] == "rejected"
+    assert len(tags[tag + "dataset.fingerprint"]) >= 16
+    assert registry.resolve_alias(client, model_name, registry.CHALLENGER).version == "2"
+    for alias in (registry.CHAMPION, registry.LIVE):
+        assert registry.resolve_alias(client, model_name, alias).version == "1"
+    assert walkback.ask(route_url, OBSERVATION)["version"] == "1"
+    assert "v1 keeps serving" in summary(prefect_client, second)
+    # The sweep's experiment depends on the prepared dataset.
+    event = asset_event(prefect_client, lineage.experiment_key(tags[tag + "tune.experiment_path"]))
+    prepared = (tmp_path / "prepared").resolve().as_posix()
+    assert any(r.id.endswith(prepared) for r in event.related), event.related
 
 
 def test_asset_keys_are_valid_and_name_their_objects():

@@ -38,8 +38,9 @@ def warm_up() -> None:
 
 @flow
 def retry_flow(marker: str) -> tuple[int, float]:
-    # Two idle workers with Prefect imported, so neither task below waits for a cold start.
-    for future in [warm_up.submit(), warm_up.submit()]:
+    # Three idle workers with Prefect imported, one each for the task in its retry delay, the
+    # zero-CPU timer it waits on and the task that needs every CPU: none waits for a cold start.
+    for future in [warm_up.submit() for _ in range(3)]:
         future.result()
     flaky = fails_once.submit(marker)
     deadline = time.monotonic() + 60
@@ -64,7 +65,7 @@ def test_a_retry_delay_holds_no_cpus_on_ray(stack, tmp_path, task_runs):
     assert first < busy_started < second
     runs = task_runs(
         state.state_details.flow_run_id,
-        lambda runs: len(runs) == 4 and all(run.state.is_completed() for run in runs),
+        lambda runs: len(runs) == 5 and all(run.state.is_completed() for run in runs),
     )
     (flaky_run,) = [run for run in runs if run.name.startswith("fails_once")]
     assert flaky_run.state.is_completed() and flaky_run.run_count == 2

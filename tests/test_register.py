@@ -11,6 +11,7 @@ import time
 import uuid
 
 import pytest
+import requests
 from mlflow import MlflowClient
 from pydantic import ValidationError
 
@@ -96,6 +97,8 @@ def test_promotion_rejection_and_alias_history(checkpoints, server, model_name, 
     )
     assert "not better" in rejected["lifecycle.promotion.reason"]
     assert client.get_model_version_by_alias(model_name, "champion").version == "2"
+    # The rejected version stays the challenger, for a person to inspect or promote.
+    assert registry.resolve_alias(client, model_name, "challenger").version == "3"
 
     # A person moves champion back to v1; a later better trial is promoted over it.
     registry.move_alias(client, model_name, "champion", "1", reason="manual", actor="a person")
@@ -111,23 +114,41 @@ def test_promotion_rejection_and_alias_history(checkpoints, server, model_name, 
     ]
 
 
-def test_champion_loads_in_a_fresh_process_and_acts(
+def test_champion_loads_in_a_fresh_process_without_ray_and_acts_like_its_module(
     checkpoints, server, model_name, stack, tmp_path
 ):
+    """README: `models:/NAME@champion` gives greedy actions in any process, without Ray."""
+    import numpy as np
+    import torch
+    from ray.rllib.core.columns import Columns
+    from ray.rllib.core.rl_module.rl_module import RLModule
+
     register_and_promote(request(model_name, checkpoints["good"], "t1"), server)
+    rng = np.random.default_rng(0)
+    observations = rng.uniform([-2.4, -2, -0.2, -2], [2.4, 2, 0.2, 2], (64, 4)).astype("float32")
+    module = RLModule.from_checkpoint(module_path(checkpoints["good"]))
+    with torch.no_grad():
+        logits = module.forward_inference({Columns.OBS: torch.from_numpy(observations)})
+    greedy = logits[Columns.ACTION_DIST_INPUTS].argmax(-1).tolist()
+    assert set(greedy) == {0, 1}  # both actions occur, so the comparison can fail
+
     script = (
-        "import json, numpy as np, mlflow, gymnasium as gym\n"
+        "import json, sys, numpy as np, mlflow, ray\n"
         f"model = mlflow.pyfunc.load_model('models:/{model_name}@champion')\n"
-        "env = gym.make('CartPole-v1')\n"
-        "obs = np.stack([env.reset(seed=s)[0] for s in range(8)]).astype('float32')\n"
-        "print(json.dumps(np.asarray(model.predict(obs)).tolist()))\n"
+        "actions = model.predict(np.asarray(json.load(sys.stdin), dtype='float32'))\n"
+        "assert not ray.is_initialized(), 'loading or predicting started Ray'\n"
+        "print(json.dumps(np.asarray(actions).tolist()))\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script],
+        input=json.dumps(observations.tolist()),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    actions = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(actions) == 8 and set(actions) <= {0, 1}
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == greedy
 
 
 def test_bad_inputs_register_nothing(checkpoints, server, model_name, stack, tmp_path):
@@ -159,38 +180,65 @@ def test_bad_inputs_register_nothing(checkpoints, server, model_name, stack, tmp
 
 
 def test_an_mlflow_outage_during_registration_is_retried_to_exactly_one_version(
-    checkpoints, model_name, task_runs, tmp_path
+    checkpoints, model_name, prefect_client, task_runs, tmp_path
 ):
-    """A server of its own, stopped for a few seconds while the flow registers."""
+    """A server of its own, down when the flow starts and brought back only once Prefect
+    has recorded an attempt that failed on the connection and waits to retry."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
     (port,) = local.free_ports(1)
     (service,) = local.services(tmp_path / "mlflow-outage", {"mlflow": port}, ("mlflow",))
     local.start(service)
+    run_name = f"outage-{model_name}"
+    outcome: list = []
     try:
         server = MLflowServer(tracking_uri=service.url, request_retries=0)
         # Make sure the model exists, then take the server down before the flow talks to it.
         MlflowClient(service.url).create_registered_model(model_name)
         local.stop(service)
-        restart = threading.Timer(4.0, local.start, args=(service,))
-        restart.start()
-        started = time.monotonic()
-        state = register_and_promote(
-            request(model_name, checkpoints["good"], "t1"),
-            server,
-            create_model=False,
-            return_state=True,
+        flow = register_and_promote.with_options(flow_run_name=run_name)
+        thread = threading.Thread(
+            target=lambda: outcome.append(
+                flow(
+                    request(model_name, checkpoints["good"], "t1"),
+                    server,
+                    create_model=False,
+                    return_state=True,
+                )
+            ),
+            daemon=True,
         )
-        restart.join()
+        thread.start()
+
+        def waiting_retry():
+            flow_runs = prefect_client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name]))
+            )
+            for flow_run in flow_runs:
+                for task_run in task_runs(flow_run.id):
+                    states = prefect_client.read_task_run_states(task_run.id)
+                    if any(state.name == "AwaitingRetry" for state in states):
+                        return task_run
+            return None
+
+        deadline = time.monotonic() + 60
+        while (retrying := waiting_retry()) is None:
+            assert thread.is_alive() and time.monotonic() < deadline, "no attempt failed"
+            time.sleep(0.5)
+        with pytest.raises(requests.ConnectionError):  # the outage the attempt met
+            requests.get(service.url, timeout=5)
+        local.start(service)
+        thread.join(timeout=120)
+
+        (state,) = outcome
         result = state.result()
-        assert time.monotonic() - started > 4.0
         assert result.created and result.version == "1"
         assert len(versions(MlflowClient(service.url), model_name)) == 1
         runs = task_runs(
             state.state_details.flow_run_id,
-            lambda runs: any(
-                t.name.startswith("register") and t.state.is_completed() for t in runs
-            ),
+            lambda runs: any(t.id == retrying.id and t.state.is_completed() for t in runs),
         )
-        (register_run,) = [t for t in runs if t.name.startswith("register")]
-        assert register_run.state.is_completed() and register_run.run_count > 1
+        (recovered,) = [t for t in runs if t.id == retrying.id]
+        assert recovered.state.is_completed() and recovered.run_count > 1
     finally:
         local.stop(service)

@@ -1,8 +1,10 @@
 """serve_rollout and reconcile on real Ray Serve (the session's `ray start --head`) and a real
-MLflow registry, each with a load thread sending requests through the router."""
+MLflow registry, each with closed-loop load through the router. Every test puts the route
+in the state it starts from (`ensure_live`), so any one of them runs alone."""
 
 from __future__ import annotations
 
+import contextvars
 import http.client
 import json
 import threading
@@ -15,14 +17,16 @@ from mlflow import MlflowClient
 from prefect.concurrency.sync import concurrency
 
 from blocks import MLflowServer
+from deployments.load import OBSERVATION, ClosedLoop
 from flows.reconcile import reconcile
 from flows.rollout import RolloutFailed, serve_rollout
 from tasks.serve_config import Drill, Gates, Serving
 from workloads import registry, serve_control
-from workloads.constants import POLICY_DEPLOYMENT
+from workloads.constants import ROUTER_DEPLOYMENT
+from workloads.route_state import drop_route_state, route_figures
 
 ROUTE = "policy-test"
-OBSERVATION = [0.01, -0.02, 0.03, 0.04]
+VERSIONS = 7
 
 
 def fast_gates(**overrides) -> Gates:
@@ -48,73 +52,21 @@ SERVING = Serving(
 )
 
 
-class Load(threading.Thread):
-    """Closed-loop requests through the router: (time, status, X-Model-Version, body)."""
-
-    def __init__(self, port: int, route: str = ROUTE, pause_s: float = 0.02):
-        super().__init__(daemon=True)
-        self.port, self.route, self.pause_s = port, route, pause_s
-        self.results: list[tuple[float, int, str | None, bytes]] = []
-        self.stopping = threading.Event()
-
-    def run(self) -> None:
-        body = json.dumps({"observation": OBSERVATION}).encode()
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        while not self.stopping.is_set():
-            try:
-                connection.request(
-                    "POST", f"/{self.route}", body, {"content-type": "application/json"}
-                )
-                response = connection.getresponse()
-                self.results.append(
-                    (
-                        time.time(),
-                        response.status,
-                        response.getheader("X-Model-Version"),
-                        response.read(),
-                    )
-                )
-            except (OSError, http.client.HTTPException) as error:
-                self.results.append((time.time(), 0, None, repr(error).encode()))
-                connection.close()
-                connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-            time.sleep(self.pause_s)
-
-    def __enter__(self) -> Load:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stopping.set()
-        self.join(timeout=60)
-
-    def failed(self) -> list:
-        return [r for r in self.results if r[1] != 200]
-
-    def versions(self) -> set[str | None]:
-        return {r[2] for r in self.results if r[1] == 200}
-
-
 @pytest.fixture(scope="module")
 def serving(stack, checkpoints):
-    """The test process joins the cluster (as the flows do), a fresh model has six versions
+    """The test process joins the cluster (as the flows do), a fresh model has seven versions
     of one policy, and every app this module made is deleted at the end."""
     cluster = stack.ray_cluster()
     server = MLflowServer(tracking_uri=stack.mlflow_uri)
     name = f"served-{uuid.uuid4().hex[:6]}"
     client = MlflowClient(stack.mlflow_uri)
-    for trial in range(6):
+    for trial in range(VERSIONS):
         registry.register_checkpoint(
             client,
             name=name,
             checkpoint=checkpoints["good"],
             experiment_name="rollout-tests",
             trial_key_value=f"{name}-{trial}",
-            params={},
-            metrics={},
-            tags={},
-            description="",
-            artifacts={},
             observation_size=4,
         )
     with cluster.connect():
@@ -128,20 +80,24 @@ def serving(stack, checkpoints):
                 "port": cluster.serve_port,
             }
         finally:
-            apps = [
-                a
-                for a in serve_control.app_configs()
-                if a.startswith(name) or a == serve_control.router_app_name(ROUTE)
-            ]
-            serve_control.apply(deletes=set(apps))
-            serve_control.drop_route_stats(ROUTE)
+            clear_route(name)
+
+
+def clear_route(name: str) -> None:
+    apps = {
+        a
+        for a in serve_control.app_configs()
+        if a.startswith(name) or a == serve_control.router_app_name(ROUTE)
+    }
+    serve_control.apply(deletes=apps)
+    drop_route_state(ROUTE)
 
 
 def rollout(serving, version, **kwargs):
     kwargs.setdefault("gates", fast_gates())
     return serve_rollout(
         model_name=serving["name"],
-        version=str(version),
+        version=str(version) if version is not None else None,
         route=ROUTE,
         serving=SERVING,
         ray_cluster=serving["cluster"],
@@ -150,9 +106,21 @@ def rollout(serving, version, **kwargs):
     )
 
 
+def load(serving, **kwargs) -> ClosedLoop:
+    return ClosedLoop(serving["port"], f"/{ROUTE}", pause_s=0.02, **kwargs)
+
+
 def live_version(serving) -> str | None:
     found = registry.resolve_alias(serving["client"], serving["name"], registry.LIVE)
     return found.version if found else None
+
+
+def ensure_live(serving, version: str) -> None:
+    """The route serves `version` (rolled out through the gates when it does not)."""
+    router = serve_control.current_router(ROUTE)
+    if router is None or router.live is None or router.live.version != version:
+        rollout(serving, version)
+    assert live_version(serving) == version
 
 
 def verdict(serving, version) -> dict[str, str]:
@@ -176,45 +144,115 @@ def rollout_events(prefect_client, serving, version, outcome) -> list:
         time.sleep(0.5)
 
 
-def test_first_rollout_then_a_good_candidate_swaps_with_zero_failed_requests(serving):
-    first = rollout(serving, 1)
-    assert first.outcome == "first_rollout"
-    assert live_version(serving) == "1"
-    with Load(serving["port"]) as load:
-        time.sleep(1)
-        result = rollout(serving, 2)
-        time.sleep(1)
-    assert result.outcome == "promoted", result
-    assert live_version(serving) == "2"
-    assert len(load.results) > 100
-    assert load.failed() == []
-    assert load.versions() == {"1", "2"}  # the canary and the swap both carried traffic
-    assert load.results[-1][2] == "2"
-    stages = [e["stage"] for e in result.timeline]
-    assert stages == ["health", "smoke", "canary 30%", "swap", "bake", "retire"]
-    # After the bake the router hosts v2 in process and v1's app is gone.
+def rollout_artifact(prefect_client, flow_run_id):
+    from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
+
+    (artifact,) = prefect_client.read_artifacts(
+        artifact_filter=ArtifactFilter(key={"any_": ["rollout"]}),
+        flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}),
+    )
+    return artifact
+
+
+def waiting_reconcile(prefect_client, timeout: float = 60):
+    """The running reconcile flow run once it logged that it waits for the route's slot."""
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runs = prefect_client.read_flow_runs(
+            flow_filter=FlowFilter(name={"any_": ["reconcile"]}),
+            flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))
+            ),
+        )
+        for run in runs:
+            logs = prefect_client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id]))
+            )
+            if any("waiting for it" in log.message for log in logs):
+                return run
+        time.sleep(0.5)
+    raise AssertionError("no reconcile run logged that it waits for the route")
+
+
+def within_chance(hits: int, trials: int, share: float) -> bool:
+    """`hits` of `trials` is what a share of `share` gives, within three standard deviations
+    (and the two edge samples a window drawn between hits adds)."""
+    spread = 3 * (share * (1 - share) / trials) ** 0.5 + 2 / trials
+    return trials > 0 and abs(hits / trials - share) <= spread
+
+
+def router_status(serving) -> dict:
     connection = http.client.HTTPConnection("127.0.0.1", serving["port"], timeout=30)
     connection.request("GET", f"/{ROUTE}/-/status")
-    status = json.loads(connection.getresponse().read())
+    return json.loads(connection.getresponse().read())
+
+
+def test_first_rollout_by_alias_then_a_good_candidate_swaps_with_zero_failed_requests(
+    serving, prefect_client
+):
+    clear_route(serving["name"])
+    serving["client"].set_registered_model_alias(serving["name"], registry.CHAMPION, "1")
+    first = rollout(serving, None)  # no version: the one `champion` names
+    assert first.outcome == "first_rollout" and first.version == "1"
+    assert live_version(serving) == "1"
+    with load(serving) as traffic:
+        time.sleep(1)
+        result = serve_rollout(  # its state: the run's id, to read its artifact
+            model_name=serving["name"],
+            version="2",
+            route=ROUTE,
+            serving=SERVING,
+            gates=fast_gates(),
+            ray_cluster=serving["cluster"],
+            mlflow_server=serving["server"],
+            return_state=True,
+        )
+        time.sleep(1)
+    promoted = result.result()
+    assert promoted.outcome == "promoted", promoted
+    assert live_version(serving) == "2"
+    assert len(traffic.answers) > 100
+    assert traffic.failed() == []
+    assert traffic.versions() == {"1", "2"}  # the canary and the swap both carried traffic
+    assert traffic.answers[-1].version == "2"
+    stages = [e["stage"] for e in promoted.timeline]
+    assert stages == ["health", "smoke", "canary 30%", "swap", "bake", "retire"]
+    # After the bake the router hosts v2 in process, holds no rollout, and v1's app is gone.
+    status = router_status(serving)
     assert status["inline_version"] == "2" and status["config"]["live"]["version"] == "2"
+    assert status["config"]["rollout"] is None and status["config"]["previous"] is None
     assert not serve_control.app_exists(serve_control.version_app_name(serving["name"], "1"))
     assert verdict(serving, 2)["verdict"] == "promoted"
     history = registry.alias_history(serving["client"], serving["name"], registry.LIVE)
     assert [h["version"] for h in history] == ["1", "2"]
+    (event,) = rollout_events(prefect_client, serving, 2, "promoted")
+    assert event.payload["previous"] == "1"
+    artifact = rollout_artifact(prefect_client, result.state_details.flow_run_id)
+    assert "v2 replaced v1" in artifact.description and "| canary 30% | passed |" in artifact.data
 
 
 def test_a_candidate_whose_health_check_fails_is_rejected_without_a_failed_request(
     serving, prefect_client
 ):
-    assert live_version(serving) == "2"
+    ensure_live(serving, "2")
     # Healthy at first, failing two seconds later: one look at RUNNING would pass it.
     drill = Drill(faults={"fail_health_after_s": 2})
-    with Load(serving["port"]) as load:
+    with load(serving) as traffic:
         with pytest.raises(RolloutFailed, match="health"):
             rollout(serving, 3, drill=drill, gates=fast_gates(stability_window_s=6))
     assert live_version(serving) == "2"
-    assert load.failed() == []
-    assert load.versions() == {"2"}
+    assert traffic.failed() == []
+    assert traffic.versions() == {"2"}
     tags = verdict(serving, 3)
     assert (tags["verdict"], tags["stage"]) == ("rejected", "health")
     assert not serve_control.app_exists(serve_control.version_app_name(serving["name"], "3"))
@@ -222,31 +260,48 @@ def test_a_candidate_whose_health_check_fails_is_rejected_without_a_failed_reque
     assert event.payload["stage"] == "health" and event.payload["live"] == "2"
 
 
-def test_a_candidate_erroring_on_a_share_is_aborted_at_the_canary(serving):
+def test_a_candidate_failing_half_its_requests_is_aborted_and_no_user_sees_it(serving):
+    ensure_live(serving, "2")
     drill = Drill(faults={"error_rate": 0.5})
-    with Load(serving["port"]) as load:
-        started = time.time()
+    bad = ClosedLoop(serving["port"], f"/{ROUTE}", pause_s=0.05, body=b"not json")
+    started = time.time()
+    with load(serving) as traffic, bad:
         with pytest.raises(RolloutFailed, match="canary"):
             rollout(serving, 4, drill=drill)
         ended = time.time()
         time.sleep(1)
     assert live_version(serving) == "2"
-    failed = load.failed()
-    assert failed, "the drill's errors never reached the canary"
-    # Every failure came from the candidate, through the router's 502, while it ran.
-    assert {(status, version) for _, status, version, _ in failed} == {(502, "4")}
-    assert all(started < at < ended for at, *_ in failed)
-    during = [r for r in load.results if started < r[0] < ended]
-    assert len(failed) < 0.3 * len(during)  # at most the canary share
-    assert load.results[-1][1:3] == (200, "2")
+    # Users saw no failure: every request the candidate failed was answered again by v2.
+    assert traffic.failed() == []
+    fell_back = [a for a in traffic.answers if a.fallback_from]
+    assert fell_back and {(a.version, a.fallback_from) for a in fell_back} == {("2", "4")}
+    # ...and the gates still saw every failure: the router counted them against v4.
+    figures = route_figures(ROUTE, started, ended + 1)["4"]
+    assert figures["errors"] > 0 and figures["fallbacks"] == figures["errors"]
+    # Over the canary's own window (the candidate's first to last attempt), v4 had about its
+    # 30% share of the good traffic, and failed about half of it.
+    tried = [a for a in traffic.answers if "4" in (a.version, a.fallback_from)]
+    window = [a for a in traffic.answers if tried[0].at <= a.at <= tried[-1].at]
+    assert within_chance(len(tried), len(window), 0.3)
+    assert within_chance(len(fell_back), len(tried), 0.5)
+    # A bad request the candidate answered with a 4xx is not retried: the request was bad.
+    from_candidate = [a for a in bad.answers if a.version == "4"]
+    assert from_candidate and all(
+        a.status == 400 and a.fallback_from is None for a in from_candidate
+    )
+    assert all(a.status == 400 for a in bad.answers)
     tags = verdict(serving, 4)
     assert (tags["verdict"], tags["stage"]) == ("rejected", "canary")
     assert "error rate" in tags["reason"]
+    assert router_status(serving)["config"]["rollout"] is None
 
 
-def test_degradation_after_the_swap_is_rolled_back(serving, prefect_client):
+def test_degradation_after_the_swap_is_rolled_back_without_a_failed_request(
+    serving, prefect_client
+):
+    ensure_live(serving, "2")
     drill = Drill(after_swap={"error_rate": 1.0})
-    with Load(serving["port"]) as load:
+    with load(serving) as traffic:
         with pytest.raises(RolloutFailed, match="rolled back"):
             rollout(serving, 5, drill=drill, gates=fast_gates(bake_s=20))
         time.sleep(1)
@@ -255,12 +310,15 @@ def test_degradation_after_the_swap_is_rolled_back(serving, prefect_client):
     assert (tags["verdict"], tags["stage"]) == ("rolled_back", "bake")
     history = registry.alias_history(serving["client"], serving["name"], registry.LIVE)
     assert [h["version"] for h in history[-2:]] == ["5", "2"]
-    failed = load.failed()
-    assert failed and {v for _, _, v, _ in failed} == {"5"}
-    assert failed[-1][0] - failed[0][0] < 10  # rolled back within seconds
-    assert load.results[-1][1:3] == (200, "2")
+    # During the bake v2's app was still up: v5's failures were answered by it.
+    assert traffic.failed() == []
+    fell_back = [a for a in traffic.answers if a.fallback_from]
+    assert fell_back and {(a.version, a.fallback_from) for a in fell_back} == {("2", "5")}
+    assert fell_back[-1].at - fell_back[0].at < 10  # rolled back within seconds
+    assert traffic.answers[-1].version == "2" and traffic.answers[-1].fallback_from is None
     assert not serve_control.app_exists(serve_control.version_app_name(serving["name"], "5"))
-    assert rollout_events(prefect_client, serving, 5, "rolled-back")
+    (event,) = rollout_events(prefect_client, serving, 5, "rolled-back")
+    assert event.payload["stage"] == "bake"
 
 
 @pytest.mark.parametrize(
@@ -272,30 +330,39 @@ def test_degradation_after_the_swap_is_rolled_back(serving, prefect_client):
         (b"not json", "application/json", 400, "not valid JSON"),
         (b"\0" * 12, "application/octet-stream", 422, "float32"),
         (b"x" * (2 << 20), "application/json", 413, "exceeds the limit"),
+        (b"<observation/>", "application/xml", 415, "not supported"),
     ],
 )
-def test_bad_requests_get_4xx_with_a_message_and_the_replica_stays_healthy(
+def test_bad_requests_get_4xx_with_a_message_and_the_replica_that_answered_stays_healthy(
     serving, body, content_type, status, message
 ):
-    app = serve_control.version_app_name(serving["name"], "2")
-    replicas = serve_control.deployment_state(app, POLICY_DEPLOYMENT)["replicas"]
+    ensure_live(serving, "2")
+    # After its bake the router hosts v2 in its own replicas: those answer, so those must
+    # stay up, unreplaced.
+    assert router_status(serving)["inline_version"] == "2"
+    app = serve_control.router_app_name(ROUTE)
+    replicas = serve_control.deployment_state(app, ROUTER_DEPLOYMENT)["replicas"]
     connection = http.client.HTTPConnection("127.0.0.1", serving["port"], timeout=30)
-    connection.request("POST", f"/{ROUTE}", body, {"content-type": content_type})
+    connection.request(
+        "POST", f"/{ROUTE}", body, {"content-type": content_type, "X-Request-Id": "bad-1"}
+    )
     response = connection.getresponse()
     payload = json.loads(response.read())
     assert response.status == status
     assert message in payload["error"]
     assert response.getheader("X-Model-Version") == "2"
+    assert response.getheader("X-Request-Id") == "bad-1"
     raw = np.asarray([OBSERVATION, OBSERVATION], dtype="<f4").tobytes()
     connection.request("POST", f"/{ROUTE}", raw, {"content-type": "application/octet-stream"})
     answer = json.loads(connection.getresponse().read())
     assert len(answer["actions"]) == 2 and answer["model_version"] == "2"
-    state = serve_control.deployment_state(app, POLICY_DEPLOYMENT)
+    state = serve_control.deployment_state(app, ROUTER_DEPLOYMENT)
     assert state["replicas"] == replicas and str(state["status"]).endswith("HEALTHY")
 
 
-def test_reconcile_rolls_out_a_manual_champion_and_otherwise_does_nothing(serving):
+def test_reconcile_rolls_out_a_manual_champion_and_otherwise_does_nothing(serving, prefect_client):
     client, name = serving["client"], serving["name"]
+    ensure_live(serving, "2")
     common = dict(
         model_name=name,
         route=ROUTE,
@@ -306,21 +373,29 @@ def test_reconcile_rolls_out_a_manual_champion_and_otherwise_does_nothing(servin
     )
     client.set_registered_model_alias(name, registry.CHAMPION, "2")
     assert reconcile(**common).action == "in_sync"
-    client.set_registered_model_alias(name, registry.CHAMPION, "4")  # failed its canary
+    registry.tag_verdict(client, name, "7", "rollout", {"verdict": "rejected", "reason": "drill"})
+    client.set_registered_model_alias(name, registry.CHAMPION, "7")  # failed before
     skipped = reconcile(**common)
     assert skipped.action == "skipped_failed" and live_version(serving) == "2"
     client.set_registered_model_alias(name, registry.CHAMPION, "6")  # a person's promotion
     outcome = {}
-    with Load(serving["port"]) as load:
-        # Another rollout holds the route: this one waits for it before touching Serve.
-        with concurrency(f"serve-rollout-{ROUTE}", occupy=1):
-            waiting = threading.Thread(target=lambda: outcome.update(done=reconcile(**common)))
+    limit = f"serve-rollout-{ROUTE}"
+    with load(serving) as traffic:
+        # Another rollout holds the route: this one waits for its slot before touching Serve.
+        with concurrency(limit, occupy=1):
+            waiting = threading.Thread(
+                target=contextvars.copy_context().run,
+                args=(lambda: outcome.update(done=reconcile(**common)),),
+            )
             waiting.start()
-            time.sleep(8)
+            run = waiting_reconcile(prefect_client)
+            assert run.state.is_running() and waiting.is_alive()
+            held = prefect_client.read_global_concurrency_limit_by_name(limit)
+            assert held.active_slots == 1
             assert not serve_control.app_exists(serve_control.version_app_name(name, "6"))
         waiting.join(timeout=300)
     done = outcome["done"]
     assert done.action == "rolled_out" and done.rollout.outcome == "promoted"
     assert live_version(serving) == "6"
-    assert load.failed() == []
+    assert traffic.failed() == []
     assert reconcile(**common).action == "in_sync"

@@ -77,14 +77,23 @@ def test_a_bad_search_space_spec_names_the_key(spec, message):
         rllib.parse_search_space(spec)
 
 
-def test_the_flow_rejects_a_bad_spec_before_any_ray_work(tmp_path):
+def test_the_flow_rejects_a_bad_spec_before_any_ray_work(prefect_api, tmp_path):
     with pytest.raises(ValidationError, match="search space key 'minibatch_sise' is not a config"):
         SweepConfig(search_space={"minibatch_sise": {"choice": [64, 128]}})
+    with pytest.raises(ValidationError, match="custom resource 'GPU' is not custom"):
+        SweepConfig(resources={"custom": {"GPU": 1}})
     started = time.monotonic()
     with pytest.raises(Exception, match="'lr': loguniform needs low > 0"):
         tune_sweep(
             sweep={"search_space": {"lr": {"loguniform": [0, 1]}}}, storage_root=str(tmp_path)
         )
+    # An env creator this process cannot import: refused before an (embedded) Ray starts.
+    with pytest.raises(
+        ValueError,
+        match=r"preflight: in the flow process, environment 'no_such_envs:make_env': module "
+        r"'no_such_envs' is not importable",
+    ):
+        tune_sweep(sweep={"environment": "no_such_envs:make_env"}, storage_root=str(tmp_path))
     assert time.monotonic() - started < 30
     assert not any(tmp_path.iterdir())
 
@@ -114,7 +123,7 @@ def test_stop_conditions_stop_a_trial_at_the_first_one_met():
         rllib.RETURN_METRIC: 450,
         "time_total_s": 60,
     }
-    stopper = SweepStopper(stop.criteria(), flow_run_id=None)
+    stopper = SweepStopper(stop.criteria())
 
     def result(steps, ret, seconds):
         return {
@@ -138,18 +147,44 @@ def test_preflight_verdict_names_what_was_asked_and_what_exists():
     assert "CPU=1, GPU=1" in reason and "has GPU=0" in reason
 
 
+def test_a_checkpoint_on_remote_storage_is_copied_here_once(tmp_path):
+    import pyarrow.fs
+    from ray.tune import Checkpoint
+
+    from tasks import tune_storage
+
+    assert (
+        tune_storage.experiment_path("s3://bucket/sweeps/", "run") == "s3://bucket/sweeps/run/sweep"
+    )
+    with pytest.raises(ValueError, match="storage_root 'nosuchfs://x' is not a pyarrow"):
+        tune_storage.check_storage_root("nosuchfs://x")
+    # Any filesystem but the local one counts as remote: here a folder seen through pyarrow.
+    bucket = tmp_path / "bucket"
+    (bucket / "exp" / "checkpoint_000002").mkdir(parents=True)
+    (bucket / "exp" / "checkpoint_000002" / "state.pkl").write_bytes(b"weights")
+    remote = pyarrow.fs.SubTreeFileSystem(str(bucket), pyarrow.fs.LocalFileSystem())
+    checkpoint = Checkpoint("exp/checkpoint_000002", filesystem=remote)
+    copy = tune_storage.local_checkpoint(checkpoint, "run", "t1", cache=tmp_path / "cache")
+    assert copy == str(tmp_path / "cache" / "run" / "t1" / "checkpoint_000002")
+    assert (Path(copy) / "state.pkl").read_bytes() == b"weights"
+    (bucket / "exp" / "checkpoint_000002" / "state.pkl").write_bytes(b"changed")
+    assert tune_storage.local_checkpoint(checkpoint, "run", "t1", cache=tmp_path / "cache") == copy
+    assert (Path(copy) / "state.pkl").read_bytes() == b"weights"  # downloaded once
+
+
 # --- against the session's Ray head --------------------------------------------------------
 
 
-def test_preflight_rejects_a_gpu_trial_on_a_cpu_cluster_within_seconds(stack, tmp_path):
+def test_preflight_rejects_a_trial_the_cluster_cannot_host_within_seconds(stack, tmp_path):
+    # A resource no test cluster has (a GPU would be found by Ray on a GPU host).
     started = time.monotonic()
     with pytest.raises(
         ValueError,
-        match=r"preflight: one trial asks for CPU=1, GPU=1, but the "
-        r"whole Ray cluster has GPU=0",
+        match=r"preflight: one trial asks for CPU=1, no_such_accelerator=1, but the "
+        r"whole Ray cluster has no_such_accelerator=0",
     ):
         tune_sweep(
-            sweep=tiny(resources={"gpus": 1}),
+            sweep=tiny(resources={"custom": {"no_such_accelerator": 1}}),
             ray_cluster=stack.ray_cluster(),
             storage_root=str(tmp_path),
         )

@@ -238,7 +238,7 @@ def test_bad_deliveries_are_refused_with_json_and_leave_no_event(stack, webhook,
 
 
 @pytest.fixture(scope="module")
-def in_process():
+def in_process(prefect_api):
     """The receiver app in this process with a fixed secret; events go to the session's
     Prefect (conftest points PREFECT_API_URL there)."""
     block = MLflowWebhook(secret="in-process-secret")

@@ -1,5 +1,5 @@
 """Canary and bake analysis: a version's request figures judged against thresholds and
-against the live version. Pure functions over the router's figures (workloads.router), and
+against the live version. Pure functions over the router's figures (workloads.route_state), and
 the verdict a failed gate raises."""
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ request that is answered with a 4xx."""
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 from workloads.constants import REQUEST_ID_HEADER, VERSION_HEADER
@@ -15,9 +14,10 @@ __all__ = [
     "MAX_BODY_BYTES",
     "RAW_TYPE",
     "BadRequest",
+    "describe",
     "json_response",
+    "parse_json",
     "request_dict",
-    "request_id",
     "tagged_headers",
     "to_response",
 ]
@@ -40,6 +40,32 @@ class BadRequest(Exception):
         self.message = message
         self.param = param
         self.code = code
+
+
+def parse_json(body: bytes, max_bytes: int | None = None) -> Any:
+    """The JSON value of a request body: a 413 over `max_bytes`, a 400 naming the problem
+    for anything that is not strict JSON (NaN and Infinity included) or nests too deeply."""
+    if max_bytes is not None and len(body) > max_bytes:
+        raise BadRequest(413, f"body of {len(body)} bytes exceeds the limit of {max_bytes} bytes")
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except RecursionError:
+        raise BadRequest(400, "body is not usable JSON: it nests too deeply") from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise BadRequest(400, f"body is not valid JSON: {error}") from None
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def describe(value: Any, limit: int = 80) -> str:
+    """A client's value for an error message: its JSON, cut to `limit` characters."""
+    try:
+        text = json.dumps(value, default=repr)
+    except (RecursionError, ValueError):
+        return f"a deeply nested {type(value).__name__}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def json_response(
@@ -82,18 +108,13 @@ def to_response(answer: dict[str, Any]) -> Any:
     return Response(content=answer["body"], status_code=answer["status"], headers=answer["headers"])
 
 
-def request_id(headers: dict[str, str]) -> str:
-    """The caller's X-Request-Id (cut to 128 characters), else a new one."""
-    given = headers.get(REQUEST_ID_HEADER.lower(), "")
-    return given[:128] if given else uuid.uuid4().hex
-
-
 def tagged_headers(
-    headers: dict[str, str], version: str, request: str, extra: dict[str, str] | None = None
+    headers: dict[str, str], version: str, extra: dict[str, str] | None = None
 ) -> dict[str, str]:
-    """`headers` with exactly one X-Model-Version and X-Request-Id (and `extra`), whatever
-    case the upstream used."""
-    ours = {VERSION_HEADER: version, REQUEST_ID_HEADER: request, **(extra or {})}
-    lowered = {k.lower() for k in ours}
-    kept = {k: v for k, v in headers.items() if k.lower() not in lowered}
+    """An upstream answer's headers as a route answers them: exactly one X-Model-Version
+    (and `extra`), whatever case the upstream used, and no X-Request-Id of its own: Serve's
+    proxy answers with the request's id (the client's, or one it made)."""
+    ours = {VERSION_HEADER: version, **(extra or {})}
+    dropped = {k.lower() for k in ours} | {REQUEST_ID_HEADER.lower()}
+    kept = {k: v for k, v in headers.items() if k.lower() not in dropped}
     return {**kept, **ours}

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from mlflow import MlflowClient
@@ -29,6 +30,7 @@ TRIAL_KEY_TAG = f"{TAG}.trial_key"
 HISTORY_LIMIT = 50  # alias moves kept per alias (a tag value holds at most 5,000 characters)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}$")
 
+_NONE: Mapping[str, Any] = MappingProxyType({})
 MODEL_ARTIFACT_PATH = "policy"  # the pyfunc model inside its registration run
 CHAMPION, CHALLENGER, LIVE = "champion", "challenger", "live"
 
@@ -178,12 +180,12 @@ def register_checkpoint(
     checkpoint: str,
     experiment_name: str,
     trial_key_value: str,
-    params: Mapping[str, Any],
-    metrics: Mapping[str, float],
-    tags: Mapping[str, str],
-    description: str,
-    artifacts: Mapping[str, Any],
     observation_size: int,
+    params: Mapping[str, Any] = _NONE,
+    metrics: Mapping[str, float] = _NONE,
+    tags: Mapping[str, str] = _NONE,
+    description: str = "",
+    artifacts: Mapping[str, Any] = _NONE,
     create_model: bool = True,
 ) -> Registration:
     """Log the checkpoint's RLModule as a pyfunc model in an MLflow run and register it as a

@@ -26,8 +26,9 @@ EVAL_SEED_OFFSET = 1_000_000
 # --- environments ---------------------------------------------------------------------------
 
 
-def _import_creator(environment: str) -> Callable[[Mapping[str, Any]], Any] | None:
-    """The `module:function` env creator named by `environment`, or None for a Gymnasium id."""
+def _creator_spec(environment: str) -> tuple[str, str] | None:
+    """(module, function) when `environment` names a `module:function` env creator; None for
+    a Gymnasium id (including Gymnasium's own "module:EnvId-v0" form)."""
     module_name, sep, attr = environment.rpartition(":")
     if (
         not sep
@@ -35,14 +36,55 @@ def _import_creator(environment: str) -> Callable[[Mapping[str, Any]], Any] | No
         or not all(part.isidentifier() for part in module_name.split("."))
     ):
         return None
+    return module_name, attr
+
+
+def is_creator(environment: str) -> bool:
+    """Whether `environment` names a `module:function` env creator (else a Gymnasium id)."""
+    return _creator_spec(environment) is not None
+
+
+def load_creator(environment: str) -> Callable[[Mapping[str, Any]], Any]:
+    """Import the `module:function` env creator in this process. Raises ValueError naming the
+    module (not importable here) or the function (missing or not callable)."""
+    spec = _creator_spec(environment)
+    if spec is None:
+        raise ValueError(f"environment {environment!r} is not a 'module:function' env creator")
+    module_name, attr = spec
     try:
         module = importlib.import_module(module_name)
-    except ImportError:
-        return None  # Gymnasium's own "module:EnvId" form, e.g. "ale_py:ALE/Pong-v5"
+    except ImportError as error:
+        raise ValueError(
+            f"environment {environment!r}: module {module_name!r} is not importable "
+            f"({type(error).__name__}: {error})"
+        ) from None
     creator = getattr(module, attr, None)
     if not callable(creator):
         raise ValueError(f"environment {environment!r}: {module_name} has no callable {attr!r}")
     return creator
+
+
+def creator_problem(environment: str) -> str | None:
+    """Why this process cannot load the env creator `environment` names, or None when it can
+    (or when `environment` is a Gymnasium id). Run in a Ray worker, it checks the cluster."""
+    if not is_creator(environment):
+        return None
+    try:
+        load_creator(environment)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+class EnvCreator:
+    """A `module:function` env creator imported where an env is built (a trial, on any node),
+    never in the driver: the module only has to reach the cluster, e.g. through runtime_env."""
+
+    def __init__(self, environment: str):
+        self.environment = environment
+
+    def __call__(self, env_config: Mapping[str, Any]):
+        return load_creator(self.environment)(env_config)
 
 
 def make_env(environment: str, env_config: Mapping[str, Any] | None = None):
@@ -50,33 +92,32 @@ def make_env(environment: str, env_config: Mapping[str, Any] | None = None):
     ids get it as keyword arguments."""
     import gymnasium as gym
 
-    creator = _import_creator(environment)
-    if creator is not None:
-        return creator(dict(env_config or {}))
+    if is_creator(environment):
+        return load_creator(environment)(dict(env_config or {}))
     return gym.make(environment, **dict(env_config or {}))
 
 
 def register_environment(environment: str) -> str:
     """Make `environment` known to RLlib on every worker of the connected cluster; return the
-    name to give `AlgorithmConfig.environment`. Raises ValueError for an unknown id."""
+    name to give `AlgorithmConfig.environment`. Raises ValueError for an unknown Gymnasium id;
+    a `module:function` creator is only imported where envs are built (see creator_problem)."""
     import gymnasium as gym
     from ray.tune import register_env
     from ray.tune.registry import _global_registry
 
-    creator = _import_creator(environment)
-    if creator is not None:
+    if is_creator(environment):
         # Ray 2.60 caches the first job id as the registry's key prefix for the life of the
         # process; after a second ray.init (a new job) it would register where that job's
         # workers never look ("Environment ... doesn't exist").
         _global_registry._prefix = None
-        register_env(environment, creator)
+        register_env(environment, EnvCreator(environment))
         return environment
     try:
         gym.spec(environment)
     except Exception as error:  # gymnasium raises several error types for unknown ids
         raise ValueError(
             f"environment {environment!r} is neither a registered Gymnasium id "
-            f"nor an importable 'module:function' env creator ({error})"
+            f"nor a 'module:function' env creator ({error})"
         ) from None
     return environment
 
@@ -122,6 +163,8 @@ class TrialResources:
     cpus_per_env_runner: float = 1
     cpus: float = 1  # the trial's main process (Algorithm and its local learner)
     gpus: float = 0  # for the learner
+    # Custom Ray resources of the main process and of each env runner, e.g. {"worker_node": 1}
+    custom: Mapping[str, float] = field(default_factory=dict)
 
 
 def config_fields(config) -> set[str]:
@@ -158,9 +201,13 @@ def build_config(
         .env_runners(
             num_env_runners=resources.env_runners,
             num_cpus_per_env_runner=resources.cpus_per_env_runner,
+            custom_resources_per_env_runner=dict(resources.custom),
         )
         .learners(num_learners=0, num_gpus_per_learner=resources.gpus)
-        .resources(num_cpus_for_main_process=resources.cpus)
+        .resources(
+            num_cpus_for_main_process=resources.cpus,
+            custom_resources_for_main_process=dict(resources.custom),
+        )
         .debugging(seed=seed)
     )
     config.update_from_dict(dict(fixed))

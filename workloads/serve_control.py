@@ -20,8 +20,8 @@ from ray import serve
 from ray.serve.context import _connect
 from ray.serve.schema import ServeDeploySchema
 
-from workloads.constants import POLICY_DEPLOYMENT, ROUTER_DEPLOYMENT, SERVE_NAMESPACE
-from workloads.router import RouterConfig, stats_actor_name
+from workloads.constants import POLICY_DEPLOYMENT, ROUTER_DEPLOYMENT
+from workloads.router_config import RouterConfig
 
 POLICY_IMPORT = "workloads.serving:build_policy_app"
 ROUTER_IMPORT = "workloads.router:build_router_app"
@@ -349,23 +349,6 @@ def wait_router(
         f"{f' hosting v{inline_version}' if inline_version else ''} within "
         f"{timeout_s:g} s; last status {last}"
     )
-
-
-def route_stats(route: str, since: float, until: float | None = None) -> dict[str, dict]:
-    """Per-version {requests, errors, error_rate, p50_ms, p99_ms} seen by the router since
-    `since` (time.time()). Empty when nothing was served."""
-    try:
-        actor = ray.get_actor(stats_actor_name(route), namespace=SERVE_NAMESPACE)
-    except ValueError:
-        return {}
-    return ray.get(actor.summary.remote(since, until), timeout=10)
-
-
-def drop_route_stats(route: str) -> None:
-    try:
-        ray.kill(ray.get_actor(stats_actor_name(route), namespace=SERVE_NAMESPACE))
-    except ValueError:
-        pass
 
 
 def current_router(route: str) -> RouterConfig | None:

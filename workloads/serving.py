@@ -8,7 +8,6 @@ A version is always loaded by its number, never by a moving alias.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
@@ -18,21 +17,23 @@ from typing import Any
 
 import numpy as np
 
-from workloads.constants import POLICY_DEPLOYMENT, REQUEST_ID_HEADER, VERSION_HEADER
+from workloads.constants import POLICY_DEPLOYMENT, VERSION_HEADER
 from workloads.http import (
     JSON_TYPE,
     MAX_BODY_BYTES,
     RAW_TYPE,
     BadRequest,
+    describe,
     json_response,
+    parse_json,
     request_dict,
-    request_id,
     to_response,
 )
 
 logger = logging.getLogger("ray.serve")
 
 MAX_BATCH = 4096
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -166,10 +167,7 @@ class PolicyCore:
                 f"content type {kind!r} is not supported: send "
                 f"{JSON_TYPE} or {RAW_TYPE} (float32 little-endian)",
             )
-        try:
-            payload = json.loads(body, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError) as error:
-            raise BadRequest(400, f"body is not valid JSON: {error}") from None
+        payload = parse_json(body)
         if not isinstance(payload, dict):
             raise BadRequest(422, 'JSON body must be an object like {"observation": [...]}')
         keys = [k for k in ("observation", "observations") if k in payload]
@@ -179,7 +177,10 @@ class PolicyCore:
                 'JSON body must have exactly one of "observation" (one '
                 'observation or a batch) or "observations" (a batch)',
             )
-        return self._check_array(payload[keys[0]], keys[0])
+        # JSON booleans turn into numbers inside a numeric array: look for them only when the
+        # body could hold one.
+        maybe_bool = b"true" in body or b"false" in body
+        return self._check_array(payload[keys[0]], keys[0], maybe_bool)
 
     def _parse_raw(self, body: bytes) -> tuple[np.ndarray, bool]:
         row = 4 * self.obs_size
@@ -191,38 +192,46 @@ class PolicyCore:
                 f"{len(body)} bytes",
             )
         array = np.frombuffer(body, dtype="<f4").reshape(-1, *self.obs_shape)
-        return self._finish(array.astype(np.float32), single=len(array) == 1, field="body")
+        # A copy: frombuffer's view of the body is read-only, and torch wants to own it.
+        return self._finish(array.copy(), single=len(array) == 1, field="body")
 
-    def _check_array(self, value: Any, field_name: str) -> tuple[np.ndarray, bool]:
+    def _check_array(
+        self, value: Any, field_name: str, maybe_bool: bool = True
+    ) -> tuple[np.ndarray, bool]:
         try:
             array = np.asarray(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise BadRequest(
                 422,
                 f"{field_name} is ragged: every observation must have shape {list(self.obs_shape)}",
             ) from None
         if array.dtype == bool or not np.issubdtype(array.dtype, np.number):
             raise BadRequest(
-                422, f"{field_name} must hold numbers only (float32); got {_describe(value)}"
+                422,
+                f"{field_name} must hold numbers only (float32); got {describe(value)}",
             )
-        ndim = len(self.obs_shape)
-        if array.shape == self.obs_shape:
-            return self._finish(array[None].astype(np.float32), single=True, field=field_name)
-        if array.ndim == ndim + 1 and array.shape[1:] == self.obs_shape and len(array):
-            return self._finish(array.astype(np.float32), single=False, field=field_name)
-        raise BadRequest(
-            422,
-            f"{field_name} must have shape {list(self.obs_shape)} (or "
-            f"[n, {', '.join(map(str, self.obs_shape))}] for a batch); got "
-            f"{list(array.shape)}",
-        )
+        single = array.shape == self.obs_shape
+        if not single and not (array.shape[1:] == self.obs_shape and len(array)):
+            raise BadRequest(
+                422,
+                f"{field_name} must have shape {list(self.obs_shape)} (or "
+                f"[n, {', '.join(map(str, self.obs_shape))}] for a batch); got "
+                f"{list(array.shape)}",
+            )
+        if maybe_bool and _holds_bool(value):
+            raise BadRequest(422, f"{field_name} must hold numbers only, not true or false")
+        return self._finish(array[None] if single else array, single=single, field=field_name)
 
     def _finish(self, array: np.ndarray, single: bool, field: str) -> tuple[np.ndarray, bool]:
+        """The batch as float32, once its size and values fit."""
         if len(array) > MAX_BATCH:
             raise BadRequest(413, f"batch of {len(array)} observations exceeds {MAX_BATCH}")
-        if not np.isfinite(array).all():
+        wide = array.astype(np.float64, copy=False)
+        if not np.isfinite(wide).all():
             raise BadRequest(422, f"{field} holds NaN or infinite values")
-        return array, single
+        if (np.abs(wide) > FLOAT32_MAX).any():
+            raise BadRequest(422, f"{field} holds values beyond float32's range (±{FLOAT32_MAX:g})")
+        return array.astype(np.float32, copy=False), single
 
     def answer(self, request: dict[str, Any]) -> dict[str, Any]:
         """Answer one HTTP request given as a dict (see `request_dict`)."""
@@ -242,13 +251,10 @@ class PolicyCore:
             )
 
 
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
-def _describe(value: Any) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 80 else text[:77] + "..."
+def _holds_bool(value: Any) -> bool:
+    if isinstance(value, list):
+        return any(_holds_bool(v) for v in value)
+    return isinstance(value, bool)
 
 
 def _plain(value: Any) -> Any:
@@ -364,12 +370,12 @@ class PolicyServer:
 
     async def __call__(self, request: Any) -> Any:
         req = await request_dict(request, self.core.max_body_bytes)
-        rid = request_id(req["headers"])
         try:
             answer = await self.handle_http(req)
         except InjectedFault as error:
             answer = json_response(500, {"error": str(error)})
-        answer["headers"].update({VERSION_HEADER: self.core.version, REQUEST_ID_HEADER: rid})
+        # Serve's proxy answers with the request's X-Request-Id itself.
+        answer["headers"][VERSION_HEADER] = self.core.version
         return to_response(answer)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from workloads.constants import REQUEST_ID_HEADER
-from workloads.http import BadRequest
+from workloads.http import MAX_BODY_BYTES, BadRequest, describe, parse_json
 
 __all__ = [
     "CHAT_ROLES",
@@ -106,14 +106,21 @@ def endpoint(method: str, path: str) -> Endpoint:
 
 def parse_json_body(body: bytes) -> dict[str, Any]:
     try:
-        payload = json.loads(body or b"")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        payload = parse_json(body or b"", MAX_BODY_BYTES)
+    except BadRequest as exc:
+        code = "request_too_large" if exc.status == 413 else "invalid_json"
+        raise invalid(exc.message, code=code, status=exc.status) from None
     if not isinstance(payload, dict):
         raise invalid(
             f"the body must be a JSON object, got {type(payload).__name__}", code="invalid_json"
         )
     return payload
+
+
+def _wrong_type(name: str, expected: str, value: Any) -> BadRequest:
+    return invalid(
+        f"'{name}' must be {expected}, got {describe(value)}", param=name, code="invalid_type"
+    )
 
 
 def _number(body: dict, name: str, default, *, lo=None, hi=None, integer=False):
@@ -122,14 +129,10 @@ def _number(body: dict, name: str, default, *, lo=None, hi=None, integer=False):
         return default
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
-        raise invalid(
-            f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}",
-            param=name,
-            code="invalid_type",
-        )
+        raise _wrong_type(name, "an integer" if integer else "a number", value)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise invalid(
-            f"'{name}' must be between {lo} and {hi}, got {value!r}",
+            f"'{name}' must be between {lo} and {hi}, got {describe(value)}",
             param=name,
             code="invalid_value",
         )
@@ -172,23 +175,20 @@ class Sampling:
             and all(isinstance(s, str) and s for s in stop)
         ):
             raise invalid(
-                f"'stop' must be a string or up to {MAX_STOP_SEQUENCES} strings, got {stop!r}",
+                f"'stop' must be a string or up to {MAX_STOP_SEQUENCES} strings, "
+                f"got {describe(stop)}",
                 param="stop",
                 code="invalid_value",
             )
         ignore_eos = body.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
-            raise invalid(
-                f"'ignore_eos' must be a boolean, got {ignore_eos!r}",
-                param="ignore_eos",
-                code="invalid_type",
-            )
+            raise _wrong_type("ignore_eos", "a boolean", ignore_eos)
         return cls(
             max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             temperature=_number(body, "temperature", 1.0, lo=0, hi=2),
             top_p=_number(body, "top_p", 1.0, lo=1e-6, hi=1),
             top_k=_number(body, "top_k", 0, lo=-1, integer=True),
-            seed=_number(body, "seed", None, integer=True),
+            seed=_number(body, "seed", None, lo=-(2**63), hi=2**63 - 1, integer=True),
             stop=stop,
             presence_penalty=_number(body, "presence_penalty", 0.0, lo=-2, hi=2),
             frequency_penalty=_number(body, "frequency_penalty", 0.0, lo=-2, hi=2),
@@ -215,14 +215,14 @@ class Sampling:
 def _message_text(message: Any, index: int) -> dict[str, str]:
     if not isinstance(message, dict):
         raise invalid(
-            f"messages[{index}] must be an object, got {message!r}",
+            f"messages[{index}] must be an object, got {describe(message)}",
             param=f"messages[{index}]",
             code="invalid_type",
         )
     role = message.get("role")
     if role not in CHAT_ROLES:
         raise invalid(
-            f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}",
+            f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}; got {describe(role)}",
             param=f"messages[{index}].role",
             code="invalid_value",
         )
@@ -236,7 +236,7 @@ def _message_text(message: Any, index: int) -> dict[str, str]:
                 and isinstance(part.get("text"), str)
             ):
                 raise invalid(
-                    f"messages[{index}].content parts must be text parts, got {part!r}",
+                    f"messages[{index}].content parts must be text parts, got {describe(part)}",
                     param=f"messages[{index}].content",
                     code="unsupported",
                 )
@@ -244,7 +244,7 @@ def _message_text(message: Any, index: int) -> dict[str, str]:
         content = "".join(parts)
     if not isinstance(content, str):
         raise invalid(
-            f"messages[{index}].content must be a string or text parts, got {content!r}",
+            f"messages[{index}].content must be a string or text parts, got {describe(content)}",
             param=f"messages[{index}].content",
             code="invalid_type",
         )
@@ -313,23 +313,17 @@ class CompletionRequest:
         model = payload.get("model")
         if model is not None and model != model_name:
             raise invalid(
-                f"the model {model!r} does not exist here; this app serves {model_name!r}",
+                f"the model {describe(model)} does not exist here; this app serves {model_name!r}",
                 param="model",
                 code="model_not_found",
                 status=404,
             )
         stream = payload.get("stream", False)
         if not isinstance(stream, bool):
-            raise invalid(
-                f"'stream' must be a boolean, got {stream!r}", param="stream", code="invalid_type"
-            )
+            raise _wrong_type("stream", "a boolean", stream)
         stream_options = payload.get("stream_options") or {}
         if not isinstance(stream_options, dict):
-            raise invalid(
-                f"'stream_options' must be an object, got {stream_options!r}",
-                param="stream_options",
-                code="invalid_type",
-            )
+            raise _wrong_type("stream_options", "an object", stream_options)
         include_usage = bool(stream_options.get("include_usage"))
         sampling = Sampling.from_body(
             payload,

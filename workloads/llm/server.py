@@ -18,7 +18,7 @@ from typing import Any
 from ray import serve
 
 from workloads.constants import LLM_DEPLOYMENT, REQUEST_ID_HEADER, VERSION_HEADER
-from workloads.http import JSON_TYPE, BadRequest
+from workloads.http import JSON_TYPE, BadRequest, request_dict
 from workloads.llm.config import LLMAppArgs, MLflowModelSource
 from workloads.llm.engine import EngineLoop, ReplicaStats, make_engine, warm_up
 from workloads.llm.protocol import (
@@ -160,7 +160,10 @@ class LLMServer:
         """Serve's health check: the engine generates one token in time, or this raises."""
         if not self.engine.alive():
             raise RuntimeError(f"vLLM engine loop is down: {self.engine.failure!r}")
-        await asyncio.wait_for(self._one_token("health"), timeout=self.health_timeout_s * 0.8)
+        tokens = await asyncio.wait_for(
+            self._one_token("health"), timeout=self.health_timeout_s * 0.8
+        )
+        self.stats_data.health_tokens += tokens
 
     def __del__(self):
         engine = getattr(self, "engine", None)
@@ -175,9 +178,9 @@ class LLMServer:
         root = request.scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root) :] or "/"
-        reply = await self._respond(
-            request.method, path, dict(request.headers), await request.body()
-        )
+        # Read at most the body limit + 1 byte: a bigger body is a 413, never read whole.
+        body = (await request_dict(request))["body"]
+        reply = await self._respond(request.method, path, dict(request.headers), body)
         # Serve's proxy answers with X-Request-Id itself: the one it put on the request (the
         # client's, or a new one), which is the id used here.
         reply.headers.pop(REQUEST_ID_HEADER.lower(), None)
@@ -276,9 +279,18 @@ class LLMServer:
                     param="messages",
                     code="unsupported",
                 )
-            text = self.tokenizer.apply_chat_template(
-                request.turns, add_generation_prompt=True, tokenize=False
-            )
+            from jinja2 import TemplateError
+
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    request.turns, add_generation_prompt=True, tokenize=False
+                )
+            except TemplateError as exc:  # e.g. a template that wants alternating roles
+                raise invalid(
+                    f"the model's chat template refuses these messages: {exc}",
+                    param="messages",
+                    code="invalid_value",
+                ) from None
             return self.tokenizer.encode(text, add_special_tokens=False)
         if isinstance(request.prompt, str):
             return self.tokenizer.encode(request.prompt)

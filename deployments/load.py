@@ -1,0 +1,102 @@
+"""Closed-loop HTTP load on a route, recording what every answer said: its status, the
+version that answered (X-Model-Version), the version it fell back from (X-Fallback-From) and
+its latency. The tests, the serving benchmarks and the demo watch rollouts through it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from workloads.constants import FALLBACK_HEADER, VERSION_HEADER
+from workloads.figures import percentile
+
+__all__ = ["OBSERVATION", "Answer", "ClosedLoop"]
+
+OBSERVATION = [0.01, -0.02, 0.03, 0.04]  # a CartPole observation
+
+
+@dataclass(frozen=True)
+class Answer:
+    at: float  # time.time() when the answer arrived
+    status: int  # 0: no answer (connection refused or reset)
+    version: str | None
+    fallback_from: str | None
+    latency_ms: float
+    body: bytes
+
+
+class ClosedLoop:
+    """`threads` clients on http://host:port/path, each sending its next request when the
+    last one is answered (after `pause_s`)."""
+
+    def __init__(
+        self,
+        port: int,
+        path: str,
+        threads: int = 1,
+        pause_s: float = 0.0,
+        body: bytes | None = None,
+        content_type: str = "application/json",
+        host: str = "127.0.0.1",
+    ):
+        self.host, self.port, self.path = host, port, path
+        self.pause_s = pause_s
+        self.body = body if body is not None else json.dumps({"observation": OBSERVATION}).encode()
+        self.content_type = content_type
+        self.answers: list[Answer] = []
+        self._stop = threading.Event()
+        self._workers = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def _connect(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=60)
+
+    def _run(self) -> None:
+        connection = self._connect()
+        headers = {"content-type": self.content_type}
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            try:
+                connection.request("POST", self.path, self.body, headers)
+                response = connection.getresponse()
+                body = response.read()
+                status = response.status
+                version = response.getheader(VERSION_HEADER)
+                fallback = response.getheader(FALLBACK_HEADER)
+            except (OSError, http.client.HTTPException) as error:
+                status, version, fallback, body = 0, None, None, repr(error).encode()
+                connection.close()
+                connection = self._connect()
+            latency = (time.perf_counter() - started) * 1000
+            self.answers.append(Answer(time.time(), status, version, fallback, latency, body))
+            if self.pause_s:
+                self._stop.wait(self.pause_s)
+
+    def __enter__(self) -> ClosedLoop:
+        for worker in self._workers:
+            worker.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        for worker in self._workers:
+            worker.join(timeout=120)
+
+    def failed(self) -> list[Answer]:
+        return [a for a in self.answers if not 200 <= a.status < 300]
+
+    def versions(self) -> set[str | None]:
+        """The versions that answered 200."""
+        return {a.version for a in self.answers if a.status == 200}
+
+    def summary(self) -> dict[str, Any]:
+        p99 = percentile([a.latency_ms for a in self.answers], 0.99)
+        return {
+            "requests": len(self.answers),
+            "non_2xx": len(self.failed()),
+            "fallbacks": sum(1 for a in self.answers if a.fallback_from),
+            "p99_ms": round(p99, 1) if p99 is not None else None,
+        }

@@ -1,0 +1,67 @@
+"""Watching a deployment environment from outside, as an operator would: a deployment's flow
+runs, a route's own status, and the process behind a flow run (to kill it in a drill)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["deployment_runs", "kill_flow_run", "route_status", "started_run", "wait_for"]
+
+T = TypeVar("T")
+
+
+def wait_for(what: str, check: Callable[[], T], timeout: float = 180.0, every: float = 0.25) -> T:
+    """`check()` once it is truthy; AssertionError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(every)
+
+
+def deployment_runs(client: Any, name: str, after: float = 0.0) -> list[Any]:
+    """The flow runs of deployment `name` ("flow/deployment") created after `after`
+    (time.time()), oldest first."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    deployment = client.read_deployment_by_name(name)
+    found = client.read_flow_runs(
+        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+    )
+    return sorted((r for r in found if r.created.timestamp() >= after), key=lambda r: r.created)
+
+
+def started_run(
+    client: Any, name: str, after: float, skip: tuple = (), timeout: float = 180.0
+) -> Any:
+    """The first run of deployment `name` created after `after` (and not in `skip`), once it
+    is Running."""
+
+    def running() -> Any:
+        fresh = [r for r in deployment_runs(client, name, after) if r.id not in skip]
+        return fresh[0] if fresh and fresh[0].state.is_running() else None
+
+    return wait_for(f"a {name} run starts", running, timeout)
+
+
+def kill_flow_run(client: Any, run_id: Any) -> float:
+    """kill -9 the process running a flow run (as the OOM killer would); returns when. The
+    process worker records it as the run's infrastructure_pid ("host:pid")."""
+    pid = int(client.read_flow_run(run_id).infrastructure_pid.rsplit(":", 1)[-1])
+    os.kill(pid, signal.SIGKILL)
+    return time.time()
+
+
+def route_status(port: int, route: str, host: str = "127.0.0.1") -> dict[str, Any]:
+    """The router's own `GET /<route>/-/status`."""
+    with urllib.request.urlopen(f"http://{host}:{port}/{route}/-/status", timeout=10) as answer:
+        return json.loads(answer.read())

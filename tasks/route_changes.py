@@ -1,0 +1,107 @@
+"""Prefect tasks that change what a route serves, each one router write (in place, no
+replica restart) plus the Serve apps it frees: the swap, the retirement of the previous
+version after the bake, a rollback, and the withdrawal of a candidate."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.serve_apps import RouteContext
+from workloads import serve_control
+from workloads.constants import POLICY_DEPLOYMENT
+from workloads.router_config import Target
+
+__all__ = ["inject", "retire", "rollback", "rollout_stage", "swap", "withdraw"]
+
+# Rollout stages talk to a live cluster: never served from a cache.
+rollout_stage = task(cache_policy=NO_CACHE)
+
+
+@rollout_stage
+def swap(ctx: RouteContext, candidate: Target, previous: Target | None) -> dict[str, Any]:
+    """Gate 4: the router sends all traffic to the candidate. After a canary it is reached
+    through its own app while it bakes, with the previous version kept as its fallback; a first
+    rollout (no previous version) is hosted in the router's replicas at once."""
+    started = time.time()
+    inline = previous is None and candidate.kind == "policy"
+    if previous is None:
+        config = ctx.config(live=candidate, inline_live=inline)
+    else:
+        config = ctx.config(
+            live=candidate, previous=previous, rollout=ctx.record("bake", candidate.version)
+        )
+    written = ctx.write(
+        config,
+        wait_s=120 if inline else 60,
+        inline_version=candidate.version if inline else None,
+    )
+    return {
+        "generation": written.generation,
+        "seconds": round(time.time() - started, 2),
+        "at": started,
+    }
+
+
+@rollout_stage
+def inject(app: str, faults: dict[str, Any]) -> None:
+    """A drill's faults, applied to one version's app in place."""
+    config = serve_control.app_configs()[app]
+    serve_control.apply(
+        {app: serve_control.with_user_config(config, POLICY_DEPLOYMENT, {"faults": faults})}
+    )
+
+
+@rollout_stage
+def retire(ctx: RouteContext, live: Target, previous_app: str | None) -> dict[str, Any]:
+    """After the bake: the router hosts the live version in process (no extra hop), the
+    route is no longer held by a rollout, then the previous version's app is deleted."""
+    inline_ok = live.kind == "policy"  # an LLM version is always reached through its app
+    try:
+        ctx.write(
+            ctx.config(live=live, inline_live=inline_ok),
+            wait_s=120,
+            inline_version=live.version if inline_ok else None,
+        )
+    except RuntimeError as error:  # keep forwarding to the live app; serving is unaffected
+        if not inline_ok:
+            raise
+        inline_ok = False
+        get_run_logger().warning(
+            "router %s still forwards to v%s: %s", ctx.route, live.version, error
+        )
+        ctx.write(ctx.config(live=live))
+    if previous_app and previous_app != live.app:
+        serve_control.apply(deletes={previous_app})
+    return {"inline": inline_ok, "deleted": previous_app}
+
+
+@rollout_stage
+def rollback(ctx: RouteContext, previous: Target, candidate_app: str) -> dict[str, Any]:
+    """Route everything back to the previous version, then delete the candidate's app."""
+    started = time.time()
+    ctx.write(ctx.config(live=previous, inline_live=previous.kind == "policy"))
+    seconds = time.time() - started
+    serve_control.apply(deletes={candidate_app})
+    return {"seconds": round(seconds, 2)}
+
+
+@rollout_stage
+def withdraw(ctx: RouteContext, live: Target | None, candidate_app: str) -> dict[str, Any]:
+    """After a failed gate (or a rollout that died in its canary): the router serves only
+    the live version again (untouched when it never saw the candidate), then the candidate's
+    app is deleted."""
+    current = serve_control.current_router(ctx.route)
+    if (
+        current is not None
+        and live is not None
+        and (current.candidate is not None or current.rollout is not None or current.live != live)
+    ):
+        keep_inline = current.inline_live and current.live == live
+        ctx.write(ctx.config(live=live, inline_live=keep_inline))
+    if candidate_app != (live.app if live else None):
+        serve_control.apply(deletes={candidate_app})
+    return {"deleted": candidate_app}

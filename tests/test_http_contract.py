@@ -1,0 +1,356 @@
+"""The HTTP contract of the policy route and the OpenAI routes: bad input is a 4xx with a JSON
+message, never a 5xx, and a valid request right after is answered. The request parsing is
+fuzzed in process with Hypothesis (random bytes, JSON of any depth and size, NaN, Infinity,
+huge numbers, ragged and oversized batches, wrong methods and content types); then a live
+route (router and version app on the session's Ray head) is fuzzed through Serve's proxy, and
+its documented answers are checked: 415, one X-Request-Id, a 504 after the router's timeout, a
+bad router config refused by the replica, and config changes without a replica restart."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+
+import pytest
+from http_fuzz import (
+    JSON_TYPE,
+    METHODS,
+    NASTY,
+    PRINTABLE,
+    RAW_TYPE,
+    assert_contract,
+    openai_requests,
+    policy_requests,
+)
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from workloads.constants import POLICY_DEPLOYMENT, REQUEST_ID_HEADER, VERSION_HEADER
+from workloads.http import BadRequest
+from workloads.llm.protocol import (
+    CompletionRequest,
+    bad_request_body,
+    endpoint,
+    generation_budget,
+    parse_json_body,
+)
+from workloads.serving import MAX_BATCH, ModelSpec, PolicyCore
+
+VALID = json.dumps({"observation": [0.01, -0.02, 0.03, 0.04]}).encode()
+FUZZ = settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@pytest.fixture(scope="module")
+def core() -> PolicyCore:
+    """An untrained CartPole PPO module behind the policy contract (what a version serves)."""
+    import gymnasium as gym
+    from ray.rllib.algorithms.ppo import PPOConfig
+
+    env = gym.make("CartPole-v1")
+    spec = PPOConfig().environment("CartPole-v1").get_rl_module_spec(env=env)
+    spec.observation_space, spec.action_space = env.observation_space, env.action_space
+    return PolicyCore(ModelSpec("fuzzed", "1", "http://127.0.0.1:1"), module=spec.build())
+
+
+def ask(core: PolicyCore, method: str, content_type: str, body: bytes) -> dict:
+    headers = {} if content_type == "missing" else {"content-type": content_type}
+    return core.answer({"method": method, "path": "/", "headers": headers, "body": body})
+
+
+@FUZZ
+@given(request=policy_requests())
+def test_the_policy_contract_never_answers_5xx(core, request):
+    answer = ask(core, *request)
+    event(f"status {answer['status']}")
+    assert answer["status"] in (200, 400, 405, 413, 415, 422), answer
+    body = assert_contract(answer["status"], answer["body"], answer["headers"])
+    if answer["status"] == 200:
+        actions = [body["action"]] if "action" in body else body["actions"]
+        assert actions and set(actions) <= {0, 1}, body
+
+
+@pytest.mark.parametrize(
+    "content_type, body, status, words",
+    [
+        (JSON_TYPE, b"[" * 100_000, 400, "nests too deeply"),
+        (JSON_TYPE, b'{"observation": [1, 2, NaN, 4]}', 400, "NaN is not a number"),
+        (JSON_TYPE, b'{"observation": [1e39, 0, 0, 0]}', 422, "float32's range"),
+        (JSON_TYPE, b'{"observation": [1e999, 0, 0, 0]}', 422, "NaN or infinite"),
+        (JSON_TYPE, b'{"observation": [true, 0, 0, 0]}', 422, "not true or false"),
+        (JSON_TYPE, b'{"observation": [1, 2, 3, 1' + b"0" * 30 + b"]}", 422, "numbers only"),
+        (JSON_TYPE, b'{"observation": [[1, 2, 3, 4], [1, 2, 3]]}', 422, "ragged"),
+        (JSON_TYPE, json.dumps({"observation": [[0] * 4] * (MAX_BATCH + 1)}).encode(), 413, ""),
+        (JSON_TYPE, b"0" * ((1 << 20) + 1), 413, "exceeds the limit"),
+        (RAW_TYPE, struct.pack("<4f", 0, 0, float("nan"), 0), 422, "NaN or infinite"),
+        (RAW_TYPE, b"\0" * 15, 422, "16 bytes each"),
+        ("text/plain", VALID, 415, "content type 'text/plain'"),
+    ],
+)
+def test_bad_policy_requests_get_the_documented_4xx(core, content_type, body, status, words):
+    answer = ask(core, "POST", content_type, body)
+    assert answer["status"] == status, answer["body"][:300]
+    assert words in json.loads(answer["body"])["error"]
+    assert ask(core, "GET", JSON_TYPE, VALID)["status"] == 405
+    assert json.loads(ask(core, "POST", "missing", VALID)["body"])["action"] in (0, 1)
+
+
+@FUZZ
+@given(request=openai_requests("tiny"))
+def test_openai_request_validation_only_ever_refuses_with_a_4xx(request):
+    """Whatever the body, validation gives a request the engine accepts or an OpenAI 4xx."""
+    path, body = request
+    chat = endpoint("POST", path) == "chat"
+    try:
+        request = CompletionRequest.from_body(
+            parse_json_body(body), chat=chat, model_name="tiny", vocab_size=100
+        )
+        prompt_tokens = 3 if chat or isinstance(request.prompt, str) else len(request.prompt)
+        budget = generation_budget(prompt_tokens, 128, request.sampling.max_tokens, chat=chat)
+    except BadRequest as error:
+        event(f"status {error.status}: {error.code}")
+        assert 400 <= error.status < 500 and error.message, error
+        assert_contract(
+            error.status, json.dumps(bad_request_body(error)).encode(), {"content-type": JSON_TYPE}
+        )
+        return
+    event("accepted")
+    kwargs = request.sampling.engine_kwargs(budget)
+    # What vLLM's SamplingParams checks, so an accepted request never fails in the engine.
+    assert 1 <= kwargs["max_tokens"] <= 128 and 0 <= kwargs["min_tokens"] <= budget
+    assert 0 <= kwargs["temperature"] <= 2 and 0 < kwargs["top_p"] <= 1
+    assert kwargs["top_k"] >= -1 and -2 <= kwargs["presence_penalty"] <= 2
+    assert kwargs["seed"] is None or -(2**63) <= kwargs["seed"] < 2**63
+
+
+# ---- the live route: a router and a version app on the session's Ray head -----------------
+
+ROUTE = "contract-test"  # tests/test_rollout.py owns policy-test
+LIVE_FUZZ = settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ],
+)
+
+
+@pytest.fixture(scope="module")
+def route(stack, checkpoints):
+    """Version 1 of a fresh model rolled out to ROUTE (router + version app), the test
+    process joined to the cluster, an HTTP session to Serve's proxy; all deleted after."""
+    import uuid
+
+    import requests
+    from mlflow import MlflowClient
+
+    from blocks import MLflowServer
+    from flows.rollout import serve_rollout
+    from tasks.serve_config import Gates, Serving
+    from workloads import registry, serve_control
+    from workloads.route_state import drop_route_state
+
+    cluster = stack.ray_cluster()
+    name = f"contract-{uuid.uuid4().hex[:6]}"
+    registry.register_checkpoint(
+        MlflowClient(stack.mlflow_uri),
+        name=name,
+        checkpoint=checkpoints["good"],
+        experiment_name="contract-tests",
+        trial_key_value=name,
+        params={},
+        metrics={},
+        tags={},
+        description="",
+        artifacts={},
+        observation_size=4,
+    )
+    gates = Gates(health_timeout_s=120, stability_window_s=2, bake_s=2, bake_window_s=1)
+    serving = Serving(
+        num_cpus=0.1, health_check_period_s=1, health_check_timeout_s=5, router_num_cpus=0.1
+    )
+    with cluster.connect():
+        try:
+            result = serve_rollout(
+                model_name=name,
+                version="1",
+                route=ROUTE,
+                gates=gates,
+                serving=serving,
+                ray_cluster=cluster,
+                mlflow_server=MLflowServer(tracking_uri=stack.mlflow_uri),
+            )
+            assert result.outcome == "first_rollout", result
+            with requests.Session() as session:
+                yield {
+                    "url": f"http://127.0.0.1:{cluster.serve_port}/{ROUTE}",
+                    "session": session,
+                    "app": serve_control.version_app_name(name, "1"),
+                }
+        finally:
+            serve_control.release()  # no handle may outlive this driver's Ray connection
+            serve_control.apply(
+                deletes={
+                    a
+                    for a in serve_control.app_configs()
+                    if a.startswith(name) or a == serve_control.router_app_name(ROUTE)
+                }
+            )
+            drop_route_state(ROUTE)
+
+
+def post(route, body: bytes = VALID, content_type: str = JSON_TYPE, **headers):
+    headers = {"content-type": content_type, **headers} if content_type != "missing" else headers
+    return route["session"].post(route["url"], data=body, headers=headers, timeout=30)
+
+
+def assert_serving(route) -> None:
+    """A valid request right after is answered by the live version."""
+    answer = post(route)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["action"] in (0, 1) and answer.headers[VERSION_HEADER] == "1"
+
+
+@LIVE_FUZZ
+@given(request=policy_requests())
+def test_the_policy_route_never_answers_5xx_to_bad_input(route, request):
+    method, content_type, body = request
+    headers = {} if content_type == "missing" else {"content-type": content_type}
+    response = route["session"].request(
+        method, route["url"], data=body, headers=headers, timeout=30
+    )
+    event(f"status {response.status_code}")
+    assert_contract(response.status_code, response.content, response.headers)
+    assert response.headers[REQUEST_ID_HEADER]
+    assert_serving(route)
+
+
+def test_every_hostile_body_through_the_router_is_a_4xx(route):
+    """Each of the fuzz's hostile bodies once, whatever Hypothesis happens to draw."""
+    for body in NASTY:
+        response = post(route, body)
+        assert_contract(response.status_code, response.content, response.headers)
+        assert response.status_code >= 400, (body[:40], response.status_code)
+    assert_serving(route)
+
+
+@LIVE_FUZZ
+@given(request=policy_requests())
+def test_a_versions_own_app_never_answers_5xx_to_bad_input(route, request):
+    """What the router sends a version's app (through its handle), fuzzed."""
+    from workloads import serve_control
+
+    method, content_type, body = request
+    headers = {} if content_type == "missing" else {"content-type": content_type}
+    app = serve_control.handle(route["app"], POLICY_DEPLOYMENT)
+    request_dict = {"method": method, "path": "/", "query": "", "headers": headers, "body": body}
+    answer = app.handle_http.remote(request_dict).result(timeout_s=30)
+    event(f"status {answer['status']}")
+    assert_contract(answer["status"], answer["body"], answer["headers"])
+    valid = dict(request_dict, method="POST", headers={"content-type": JSON_TYPE}, body=VALID)
+    assert app.handle_http.remote(valid).result(timeout_s=30)["status"] == 200
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    method=METHODS | st.just("GET"),
+    suffix=st.sampled_from(["/-/status", "/-/status/", "/-/STATUS", "/-/statusx", "/-/"])
+    | PRINTABLE.map(lambda text: "/-/status?" + text),
+    body=st.binary(max_size=100) | st.just(VALID),
+)
+def test_the_router_status_never_answers_5xx(route, method, suffix, body):
+    response = route["session"].request(
+        method, route["url"] + suffix, data=body, headers={"content-type": JSON_TYPE}, timeout=30
+    )
+    event(f"{method} {response.status_code}")
+    status = assert_contract(response.status_code, response.content, response.headers)
+    if method == "GET" and suffix.split("?")[0].rstrip("/") == "/-/status":
+        assert response.status_code == 200 and status["config"]["live"]["version"] == "1"
+    assert_serving(route)
+
+
+def test_request_ids_and_a_wrong_content_type_through_the_router(route):
+    refused = post(route, VALID, "text/plain", **{REQUEST_ID_HEADER: "req-7"})
+    assert refused.status_code == 415 and "content type 'text/plain'" in refused.json()["error"]
+    assert refused.headers[VERSION_HEADER] == "1"
+    answered = post(route)
+    assert answered.status_code == 200
+    # Exactly one request id on each answer: the caller's, or a new one.
+    assert refused.headers[REQUEST_ID_HEADER] == "req-7"
+    assert len(answered.headers[REQUEST_ID_HEADER]) >= 16
+    assert "," not in answered.headers[REQUEST_ID_HEADER]
+
+
+def router_replicas() -> set[str]:
+    from workloads import serve_control
+    from workloads.constants import ROUTER_DEPLOYMENT
+
+    app = serve_control.details()["applications"][serve_control.router_app_name(ROUTE)]
+    return {r["replica_id"] for r in app["deployments"][ROUTER_DEPLOYMENT]["replicas"]}
+
+
+def apply_user_config(app: str, deployment: str, user_config: dict) -> None:
+    from workloads import serve_control
+
+    config = serve_control.app_configs()[app]
+    serve_control.apply({app: serve_control.with_user_config(config, deployment, user_config)})
+
+
+def wait_for(check, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.3)
+    return found
+
+
+def test_config_changes_reconfigure_the_router_in_place_and_a_slow_version_is_a_504(route):
+    """A bad config leaves the router on its last good one; a good one applies without a
+    replica restart; a live version slower than the router's timeout is a JSON 504."""
+    from dataclasses import replace
+
+    from workloads import serve_control
+    from workloads.constants import ROUTER_DEPLOYMENT
+
+    router_app = serve_control.router_app_name(ROUTE)
+    good = serve_control.current_router(ROUTE)
+    replicas = router_replicas()
+
+    def status() -> dict:
+        return serve_control.router_status(ROUTE, samples=1)[0]
+
+    apply_user_config(router_app, ROUTER_DEPLOYMENT, {**good.as_dict(), "candidate_weight": 7})
+    refused = wait_for(lambda: (s := status())["rejected_config"] and s)
+    assert "candidate_weight" in refused["rejected_config"]
+    assert refused["config"]["generation"] == good.generation
+    assert_serving(route)
+
+    try:
+        apply_user_config(route["app"], POLICY_DEPLOYMENT, {"faults": {"latency_ms": 5000}})
+        slow = replace(good, inline_live=False, timeout_s=1.0, generation=good.generation + 1)
+        apply_user_config(router_app, ROUTER_DEPLOYMENT, slow.as_dict())
+        settled = serve_control.wait_router(ROUTE, slow.generation)
+        assert settled["rejected_config"] is None and settled["inline_version"] is None
+        started = time.monotonic()
+        answer = post(route, **{REQUEST_ID_HEADER: "slow-1"})
+        assert answer.status_code == 504, answer.text
+        assert 1.0 <= time.monotonic() - started < 4.5  # the timeout, not the 5 s latency
+        assert "did not answer within 1 s" in answer.json()["error"]
+        assert router_replicas() == replicas  # reconfigured in place, never restarted
+        assert answer.headers[REQUEST_ID_HEADER] == "slow-1"  # exactly one, the caller's
+    finally:
+        apply_user_config(route["app"], POLICY_DEPLOYMENT, {"faults": {}})
+        restored = replace(good, generation=good.generation + 2)
+        apply_user_config(router_app, ROUTER_DEPLOYMENT, restored.as_dict())
+        serve_control.wait_router(ROUTE, restored.generation)
+    assert_serving(route)

@@ -1,0 +1,102 @@
+"""A Ray worker keeps Prefect settings, clients and flow run contexts between task runs; flow
+runs on two Prefect APIs that share a worker still each record their task runs in their own."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from prefect import flow, task
+
+from deployments import local
+from ray_runner import RayClusterTaskRunner
+
+
+@pytest.fixture(scope="module")
+def second_api():
+    """A second Prefect server with its own database (another team's or environment's API):
+    its URL and a future that is done once it answers (it starts while the test goes on)."""
+    state_dir = Path(tempfile.mkdtemp(prefix="api2-", dir="/tmp"))
+    (port,) = local.free_ports(1)
+    (server,) = local.services(state_dir, {"prefect": port}, ("prefect",))
+    with ThreadPoolExecutor(1) as starting:
+        started = starting.submit(local.start, server)
+        try:
+            yield f"{server.url}/api", started
+        finally:
+            started.exception()  # wait: stop only what has finished starting
+            local.stop(server)
+            shutil.rmtree(state_dir, ignore_errors=True)
+
+
+@task
+def where_am_i() -> tuple[int, str]:
+    from prefect.settings import get_current_settings
+
+    return os.getpid(), get_current_settings().api.url
+
+
+@task
+async def where_am_i_async() -> tuple[int, str]:
+    return where_am_i.fn()
+
+
+@flow
+def two_tasks() -> list[tuple[int, str]]:
+    return [where_am_i.submit().result(), where_am_i_async.submit().result()]
+
+
+def recorded_states(api: str, flow_run_ids: list, until_completed, timeout: float = 20.0):
+    """{flow run id: sorted state types} of the task runs `api` holds for those flow runs,
+    polled until both of `until_completed` are completed (task runs are recorded from events)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    deadline = time.monotonic() + timeout
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        with get_client(sync_client=True) as client:
+            while True:
+                runs = client.read_task_runs(
+                    flow_run_filter=FlowRunFilter(id={"any_": list(flow_run_ids)})
+                )
+                states: dict = {}
+                for run in runs:
+                    states.setdefault(run.flow_run_id, []).append(run.state.type.value)
+                states = {flow_run: sorted(types) for flow_run, types in states.items()}
+                done = states.get(until_completed) == ["COMPLETED"] * 2
+                if done or time.monotonic() > deadline:
+                    return states
+                time.sleep(0.5)
+
+
+def test_flow_runs_on_two_apis_sharing_a_ray_worker_record_each_in_its_own(stack, second_api):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    second_api, second_api_started = second_api
+    cluster = stack.ray_cluster()
+    runs = []  # (api, flow run id, [(worker pid, the API its task saw)] for a sync and an async)
+    with cluster.connect():  # one Ray job: its idle worker serves every flow run below
+        for api in (stack.prefect_api_url, second_api, stack.prefect_api_url):
+            if api == second_api:
+                second_api_started.result()
+            with temporary_settings(updates={PREFECT_API_URL: api}):
+                state = two_tasks.with_options(task_runner=RayClusterTaskRunner(cluster))(
+                    return_state=True
+                )
+                runs.append((api, state.state_details.flow_run_id, state.result()))
+
+    assert len({pid for _, _, seen in runs for pid, _ in seen}) == 1, "no worker was shared"
+    assert [[api for _, api in seen] for _, _, seen in runs] == [[api, api] for api, _, _ in runs]
+    first, other, again = (flow_run_id for _, flow_run_id, _ in runs)
+    # Each API holds the task runs of its own flow runs, completed, and none of the other's.
+    assert recorded_states(stack.prefect_api_url, [first, other, again], again) == {
+        first: ["COMPLETED"] * 2,
+        again: ["COMPLETED"] * 2,
+    }
+    assert recorded_states(second_api, [first, other, again], other) == {other: ["COMPLETED"] * 2}

@@ -1,0 +1,228 @@
+"""The control loop end to end, with nobody watching, on the deployments a user runs
+(`deployments.setup`, `prefect deploy --all`, a real process worker):
+
+- `champion` moved with MlflowClient reaches the route through MLflow's webhook, the
+  receiver's Prefect event and the reconcile deployment's trigger;
+- a rollout whose flow process is killed (kill -9) in its canary is taken back by the route
+  itself when its lease lapses, and a reconcile that the Crashed run starts (an automation)
+  withdraws it and rolls the champion out again; killed again in its bake, the next reconcile
+  bakes it again and finishes it;
+- with the receiver down, the interval reconcile still converges.
+Load runs through the router the whole time, and no answer may fail."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from datetime import timedelta
+
+import pytest
+from mlflow import MlflowClient
+
+from deployments import local
+from deployments.load import ClosedLoop
+from deployments.stack import deployed
+from deployments.watch import (
+    deployment_runs,
+    kill_flow_run,
+    route_status,
+    started_run,
+    wait_for,
+)
+from workloads import registry, serve_control
+from workloads.route_state import drop_route_state
+
+MODEL = "cartpole-ppo"  # the model prefect.yaml's reconcile trigger watches
+ROUTE = "policy"  # the deployments' default route
+LEASE_S = 5.0
+GATES = {
+    "health_timeout_s": 120,
+    "stability_window_s": 3,
+    "canary_steps": [0.5],
+    "canary_hold_s": 12,
+    "canary_max_wait_s": 60,
+    "bake_s": 12,
+    "bake_window_s": 2,
+    "max_error_rate": 0.05,
+    "max_p99_ms": 5000,
+    "p99_slack_ms": 1000,
+    "lease_s": LEASE_S,
+}
+SERVING = {
+    "num_cpus": 0.1,
+    "router_num_cpus": 0.1,
+    "health_check_period_s": 1,
+    "health_check_timeout_s": 5,
+}
+FAST = {"gates": GATES, "serving": SERVING}
+
+pytestmark = pytest.mark.slow
+
+
+@contextlib.contextmanager
+def worker_log_on_failure(stack):
+    """On a failure, the worker's log (the flow runs' own output) is the first thing to read."""
+    try:
+        yield
+    except BaseException:
+        log = stack.state_dir / "logs" / "worker.log"
+        if log.exists():
+            print("---- worker log (tail) ----")
+            lines = log.read_text(errors="replace").splitlines()
+            keep = [x for x in lines if "Serve" not in x and "Pydantic" not in x]
+            print("\n".join(keep[-300:]))
+        raise
+
+
+@pytest.fixture(scope="module")
+def lifecycle(stack, checkpoints, prefect_client):
+    client = MlflowClient(stack.mlflow_uri)
+    for trial in range(3):
+        registry.register_checkpoint(
+            client,
+            name=MODEL,
+            checkpoint=checkpoints["good"],
+            experiment_name="recovery-tests",
+            trial_key_value=f"recovery-{trial}",
+            observation_size=4,
+        )
+    parameters = {"reconcile/reconcile": FAST, "serve-rollout/serve-rollout": FAST}
+    with deployed(stack, routes=(ROUTE,), parameters=parameters):
+        cluster = stack.ray_cluster()
+        try:
+            yield {"client": client, "port": stack.serve_port, "prefect": prefect_client}
+        finally:
+            reconciles = runs(prefect_client)
+            for run in reconciles:  # never leave a run for a later module's worker
+                if not run.state.is_final():
+                    prefect_client.delete_flow_run(run.id)
+            with cluster.connect():
+                serve_control.start(cluster.serve_host, cluster.serve_port)
+                apps = {
+                    a
+                    for a in serve_control.app_configs()
+                    if a.startswith(MODEL) or a == serve_control.router_app_name(ROUTE)
+                }
+                serve_control.apply(deletes=apps)
+                drop_route_state(ROUTE)
+            client.delete_registered_model(MODEL)
+
+
+def runs(prefect_client, after: float = 0.0) -> list:
+    return deployment_runs(prefect_client, "reconcile/reconcile", after)
+
+
+def started(prefect_client, after: float, skip: tuple = ()):
+    return started_run(prefect_client, "reconcile/reconcile", after, skip, timeout=240)
+
+
+def router_status(port: int) -> dict:
+    return route_status(port, ROUTE)
+
+
+def live(client) -> str | None:
+    found = registry.resolve_alias(client, MODEL, registry.LIVE)
+    return found.version if found else None
+
+
+def recovered_events(prefect_client, version: str) -> list:
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    flt = EventFilter(
+        event=EventNameFilter(name=["ray-lifecycle.rollout.recovered"]),
+        resource=EventResourceFilter(id=[f"mlflow.model-version.{MODEL}.{version}"]),
+    )
+    return prefect_client.read_events(filter=flt, limit=20).events
+
+
+def test_a_moved_champion_reaches_the_route_and_survives_killed_rollouts(stack, lifecycle):
+    with worker_log_on_failure(stack):
+        moved_champion_survives_killed_rollouts(lifecycle)
+
+
+def moved_champion_survives_killed_rollouts(lifecycle):
+    client, port, prefect = lifecycle["client"], lifecycle["port"], lifecycle["prefect"]
+    # A person sets `champion` in MLflow: nothing serves the route yet, so it is restored
+    # (a first rollout through health and smoke) to that version.
+    moved = time.time()
+    client.set_registered_model_alias(MODEL, registry.CHAMPION, "1")
+    first = started(prefect, moved)
+    assert first.parameters["model_name"] == MODEL
+    wait_for("v1 goes live", lambda: prefect.read_flow_run(first.id).state.is_completed())
+    assert live(client) == "1" and router_status(port)["config"]["live"]["version"] == "1"
+
+    with ClosedLoop(port, f"/{ROUTE}", pause_s=0.02) as traffic:
+        # v2 becomes champion; its rollout is killed in the canary.
+        moved = time.time()
+        client.set_registered_model_alias(MODEL, registry.CHAMPION, "2")
+        canary_run = started(prefect, moved)
+        wait_for(
+            "the canary sends v2 traffic",
+            lambda: router_status(port)["candidate_share"] > 0,
+            timeout=240,
+        )
+        killed = kill_flow_run(prefect, canary_run.id)
+        # The route takes the canary back by itself once the dead run's lease lapses.
+        safe = wait_for(
+            "the candidate share drops to 0",
+            lambda: router_status(port)["candidate_share"] == 0 and time.time(),
+            timeout=LEASE_S + 10,
+        )
+        assert safe - killed <= LEASE_S + 2
+        assert router_status(port)["lease"]["lapsed"] is True
+        # The Crashed run starts a reconcile (an automation): it withdraws v2, then rolls the
+        # champion out again. Killed in its bake, it is baked again by the next one.
+        bake_run = started(prefect, killed, skip=(canary_run.id, first.id))
+        wait_for(
+            "the recovery's rollout reaches its bake",
+            lambda: (router_status(port)["config"]["rollout"] or {}).get("stage") == "bake",
+            timeout=240,
+        )
+        killed_in_bake = kill_flow_run(prefect, bake_run.id)
+        final = started(prefect, killed_in_bake, skip=(canary_run.id, first.id, bake_run.id))
+        wait_for(
+            "the route converges on v2",
+            lambda: prefect.read_flow_run(final.id).state.is_completed(),
+            timeout=240,
+        )
+        time.sleep(1)
+    assert live(client) == "2"
+    status = router_status(port)
+    assert status["config"]["live"]["version"] == "2" and status["config"]["rollout"] is None
+    # No user saw any of it.
+    assert traffic.failed() == [], traffic.failed()[:3]
+    assert traffic.answers[-1].version == "2"
+    for run in (canary_run, bake_run):
+        assert prefect.read_flow_run(run.id).state.is_crashed()
+    actions = {e.payload["action"] for e in recovered_events(prefect, "2")}
+    assert actions == {"withdrawn", "promoted"}
+
+
+def test_with_the_receiver_down_the_interval_reconcile_still_converges(stack, lifecycle):
+    from prefect.client.schemas.schedules import IntervalSchedule
+
+    client, prefect = lifecycle["client"], lifecycle["prefect"]
+    receiver = stack.service("receiver")
+    deployment = prefect.read_deployment_by_name("reconcile/reconcile")
+    (schedule,) = prefect.read_deployment_schedules(deployment.id)
+    local.stop(receiver)
+    try:
+        client.set_registered_model_alias(MODEL, registry.CHAMPION, "3")  # delivery fails
+        turned_on = time.time()
+        prefect.update_deployment_schedule(
+            deployment.id,
+            schedule.id,
+            active=True,
+            schedule=IntervalSchedule(interval=timedelta(seconds=5)),
+        )
+
+        def converged():
+            done = [r for r in runs(prefect, turned_on) if r.state.is_completed()]
+            return live(client) == "3" and done
+
+        done = wait_for("the interval reconcile rolls v3 out", converged, timeout=240)
+        # The run that did it came from the schedule, not from an event.
+        assert all(r.auto_scheduled and "model_name" not in r.parameters for r in done)
+    finally:
+        prefect.update_deployment_schedule(deployment.id, schedule.id, active=False)
+        local.start(receiver)
