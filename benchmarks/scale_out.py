@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=5, help="iterations per trial")
     parser.add_argument("--rows", type=int, default=500_000)
     parser.add_argument("--files", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="rounds; each layout goes first in every other one"
+    )
     parser.add_argument("--no-client", action="store_true", help="skip the ray:// sweep")
     args = parser.parse_args(argv)
     if not 0 < args.worker_cpus < args.cpus:

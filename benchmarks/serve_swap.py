@@ -5,74 +5,28 @@ through the router versus straight to the version's own app, in one run on one c
 
 (a) a good rollout, (b) a candidate whose health check fails after it looked healthy,
 (c) a candidate erroring on half its requests (aborted at the canary), (d) a degradation
-injected after the swap (rolled back). Then the router (hosting the live version in process)
-and a direct route to the same version's app are loaded in turn, twice each.
+injected after the swap (rolled back). Each reports the answers users got (`non_2xx`) and how
+many of them the router answered from the previous version after the candidate failed them
+(`fallbacks`). Then the router (hosting the live version in process) and a direct route to
+the same version's app are loaded in turn, alternating over `--rounds`; medians reported.
 Last line: one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
-import threading
+import statistics
 import time
 import uuid
 from typing import Any
 
-import numpy as np
+from deployments.load import ClosedLoop
+from workloads.figures import percentile
 
 ROUTE = "bench"
 DIRECT = "bench-direct"
-OBSERVATION = json.dumps({"observation": [0.01, -0.02, 0.03, 0.04]}).encode()
-
-
-class ClosedLoop:
-    """`threads` clients, each sending its next request when the last one is answered."""
-
-    def __init__(self, port: int, path: str, threads: int):
-        self.port, self.path, self.threads = port, path, threads
-        self.results: list[tuple[float, int, str | None, float]] = []
-        self._stop = threading.Event()
-        self._workers = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
-
-    def _run(self) -> None:
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        results = []
-        while not self._stop.is_set():
-            started = time.perf_counter()
-            try:
-                connection.request(
-                    "POST", self.path, OBSERVATION, {"content-type": "application/json"}
-                )
-                response = connection.getresponse()
-                response.read()
-                status, version = response.status, response.getheader("X-Model-Version")
-            except (OSError, http.client.HTTPException):
-                status, version = 0, None
-                connection.close()
-                connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-            results.append((time.time(), status, version, (time.perf_counter() - started) * 1000))
-        self.results.extend(results)
-
-    def __enter__(self) -> ClosedLoop:
-        for worker in self._workers:
-            worker.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        for worker in self._workers:
-            worker.join(timeout=120)
-
-    def summary(self) -> dict[str, Any]:
-        latencies = sorted(r[3] for r in self.results)
-        return {
-            "requests": len(self.results),
-            "non_2xx": sum(1 for r in self.results if not 200 <= r[1] < 300),
-            "p99_ms": round(float(np.percentile(latencies, 99)), 1) if latencies else None,
-        }
 
 
 def steady(port: int, path: str, threads: int, seconds: float) -> tuple[float, float]:
@@ -80,15 +34,15 @@ def steady(port: int, path: str, threads: int, seconds: float) -> tuple[float, f
         time.sleep(1)  # warm
         mark = time.time()
         time.sleep(seconds)
-    window = [r for r in load.results if r[0] >= mark and r[1] == 200]
-    p50 = float(np.percentile([r[3] for r in window], 50))
-    return len(window) / seconds, p50
+    window = [a for a in load.answers if a.at >= mark and a.status == 200]
+    return len(window) / seconds, percentile([a.latency_ms for a in window], 0.5)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--steady-s", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=3, help="steady-state rounds (>= 3)")
     args = parser.parse_args(argv)
 
     from deployments.stack import temporary_stack
@@ -103,12 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         with temporary_settings(updates={PREFECT_API_URL: stack.prefect_api_url}):
-            result = run(stack, args.threads, args.steady_s)
+            result = run(stack, args.threads, args.steady_s, max(3, args.rounds))
     print(json.dumps(result))
     return 0
 
 
-def run(stack, threads: int, steady_s: float) -> dict[str, Any]:
+def run(stack, threads: int, steady_s: float, rounds: int) -> dict[str, Any]:
     from mlflow import MlflowClient
     from ray.rllib.algorithms.ppo import PPOConfig
 
@@ -149,11 +103,6 @@ def run(stack, threads: int, steady_s: float) -> dict[str, Any]:
                 checkpoint=checkpoint,
                 experiment_name="bench",
                 trial_key_value=f"{name}-{trial}",
-                params={},
-                metrics={},
-                tags={},
-                description="",
-                artifacts={},
                 observation_size=4,
             )
         serve_control.start(cluster.serve_host, port)
@@ -185,31 +134,26 @@ def run(stack, threads: int, steady_s: float) -> dict[str, Any]:
         figures["failed_health"] = load.summary()
 
         with ClosedLoop(port, f"/{ROUTE}", threads) as load:
-            started = time.time()
             rollout(4, Drill(faults={"error_rate": 0.5}), expect_failure=True)
-            ended = time.time()
-        # The canary's window: from the candidate's first answer to its last.
-        at = sorted(r[0] for r in load.results if r[2] == "4")
-        during = [r for r in load.results if at and at[0] <= r[0] <= at[-1]]
+        # The canary's window: from the candidate's first attempt to its last.
+        tried = [a for a in load.answers if "4" in (a.version, a.fallback_from)]
+        during = [a for a in load.answers if tried and tried[0].at <= a.at <= tried[-1].at]
         figures["canary_abort"] = {
             **load.summary(),
-            "errors_from_candidate": sum(1 for r in load.results if r[1] != 200 and r[2] == "4"),
-            "errors_outside_canary": sum(
-                1
-                for r in load.results
-                if r[1] != 200 and not (started <= r[0] <= ended and r[2] == "4")
+            "candidate_failures_answered_by_live": sum(
+                1 for a in load.answers if a.fallback_from == "4" and a.status == 200
             ),
-            "canary_share": round(len(at) / max(len(during), 1), 3),
-            "canary_s": round(at[-1] - at[0], 2) if at else 0.0,
+            "canary_share": round(len(tried) / max(len(during), 1), 3),
+            "canary_s": round(tried[-1].at - tried[0].at, 2) if tried else 0.0,
         }
 
         with ClosedLoop(port, f"/{ROUTE}", threads) as load:
             rollout(5, Drill(after_swap={"error_rate": 1.0}), expect_failure=True)
             time.sleep(1)
-        failed = [r[0] for r in load.results if r[1] != 200]
+        failing = [a.at for a in load.answers if a.fallback_from == "5" or a.status != 200]
         figures["rollback"] = {
             **load.summary(),
-            "seconds_to_rollback": round(max(failed) - min(failed), 2) if failed else None,
+            "seconds_to_rollback": round(max(failing) - min(failing), 2) if failing else None,
         }
 
         # Steady state: the router hosts v2 in process; a second app of v2 gets its own route.
@@ -236,9 +180,10 @@ def run(stack, threads: int, steady_s: float) -> dict[str, Any]:
             timeout_s=120,
         )
         router_runs, direct_runs = [], []
-        for _ in range(2):
-            router_runs.append(steady(port, f"/{ROUTE}", threads, steady_s))
-            direct_runs.append(steady(port, f"/{DIRECT}", threads, steady_s))
+        for round_ in range(rounds):  # alternate which goes first
+            sides = [(router_runs, ROUTE), (direct_runs, DIRECT)]
+            for runs, path in sides if round_ % 2 == 0 else reversed(sides):
+                runs.append(steady(port, f"/{path}", threads, steady_s))
         serve_control.apply(
             deletes={
                 a
@@ -247,15 +192,16 @@ def run(stack, threads: int, steady_s: float) -> dict[str, Any]:
             }
         )
 
-    router_rps = sum(r[0] for r in router_runs) / 2
-    direct_rps = sum(r[0] for r in direct_runs) / 2
+    router_rps = statistics.median(r[0] for r in router_runs)
+    direct_rps = statistics.median(r[0] for r in direct_runs)
     return {
         **figures,
         "router_vs_direct_throughput": round(router_rps / direct_rps, 3),
         "router_rps": round(router_rps, 1),
         "direct_rps": round(direct_rps, 1),
-        "router_p50_ms": round(sum(r[1] for r in router_runs) / 2, 2),
-        "direct_p50_ms": round(sum(r[1] for r in direct_runs) / 2, 2),
+        "router_p50_ms": round(statistics.median(r[1] for r in router_runs), 2),
+        "direct_p50_ms": round(statistics.median(r[1] for r in direct_runs), 2),
+        "rounds": rounds,
     }
 
 

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from prefect import flow, unmapped
-from prefect_ray.context import remote_options
+from prefect import flow
 from pydantic import BaseModel, Field
 
 from blocks import RayCluster
-from ray_runner import RayClusterTaskRunner
 from tasks.data import (
     TooManyBadRows,
-    check_source_file,
     dataset_result,
     discard_staging,
     find_cached,
@@ -28,7 +25,6 @@ from tasks.data_config import (
     DEFAULT_EVAL_FRACTION,
     DEFAULT_MAX_BAD_FRACTION,
     ColumnType,
-    DatasetPlan,
     DatasetResult,
     RowFilterParam,
 )
@@ -87,16 +83,6 @@ class DataPrepParams(BaseModel):
     )
 
 
-@flow(name="data-prep-on-ray")
-def prepare_on_ray(plan: DatasetPlan, staging: str):
-    """Per-file checks fan out on Ray; then the one Ray Data pipeline runs."""
-    checks = check_source_file.map(unmapped(plan), plan.paths, unmapped(staging)).result()
-    # The pipeline task only drives Ray Data: it holds no CPU the pipeline could use.
-    with remote_options(num_cpus=0):
-        staged = prepare_dataset.submit(plan, staging, checks).result()
-    return checks, staged
-
-
 @flow(name="data-prep", log_prints=True)
 def data_prep(
     params: DataPrepParams,
@@ -115,13 +101,10 @@ def data_prep(
         summarize_dataset(cached)
         return cached
 
-    cluster = ray_cluster or RayCluster()
     staging = staging_path(plan.output)
     try:
-        checks, staged = prepare_on_ray.with_options(task_runner=RayClusterTaskRunner(cluster))(
-            plan, staging
-        )
-        result = dataset_result(plan, checks, staged)
+        staged = prepare_dataset(plan, staging, ray_cluster or RayCluster())
+        result = dataset_result(plan, staged)
         verdict = judge_bad_rows(
             result.rows_in,
             result.rows_quarantined,

@@ -1,19 +1,24 @@
-"""Prefect tasks for dataset prep. Each wraps one coarse unit: look at the source (flow
-process, no Ray), check one file (Ray), run the one Ray Data pipeline (Ray), publish the
-staged dataset as a Prefect asset (flow process)."""
+"""Prefect tasks for dataset prep. Each wraps one coarse unit: look at the source (no Ray),
+check the files and run the one Ray Data pipeline (on Ray, driven from the flow process),
+publish the staged dataset as a Prefect asset."""
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
+from collections.abc import Iterator
 from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.assets import Asset, AssetProperties, add_asset_metadata, materialize
 from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext
 
+from blocks import RayCluster
+from ray_runner.lineage import job_config, link_flow_run
 from tasks.data_config import DatasetPlan, DatasetResult, Verdict
-from workloads.data.checks import QUARANTINE_DIR, FileCheck, check_file
+from workloads.data.checks import QUARANTINE_DIR
 from workloads.data.pipeline import StagedCounts, load_transform, run_pipeline, transform_source
 from workloads.data.publish import discard, publish, read_manifest
 from workloads.data.schema import resolve_schema, summarize_source
@@ -125,31 +130,46 @@ def find_cached(plan: DatasetPlan) -> DatasetResult | None:
 
 
 @task(cache_policy=NO_CACHE)
-def check_source_file(plan: DatasetPlan, path: str, staging: str) -> FileCheck:
-    """Count one file's rows; quarantine a file that lacks schema columns, and CSV lines
-    with the wrong number of fields."""
-    return check_file(
-        filesystem_and_path(plan.source)[0],
-        path,
-        plan.format,
-        plan.schema_,
-        posixpath.join(staging, QUARANTINE_DIR),
-    )
+def prepare_dataset(plan: DatasetPlan, staging: str, cluster: RayCluster) -> StagedCounts:
+    """Per-file checks (count rows; quarantine files that lack schema columns and malformed
+    CSV lines), then the one Ray Data pipeline: read, validate, transform, split, write into
+    `staging`. This process drives them, as a Ray Data script would: no Prefect task on a
+    fresh Ray worker (seconds of imports) stands between the flow and the pipeline."""
+    with ray_job(cluster):
+        return run_pipeline(
+            filesystem_and_path(plan.source)[0], plan.paths, plan.spec(), staging, _output_fs(plan)
+        )
 
 
-@task(cache_policy=NO_CACHE)
-def prepare_dataset(plan: DatasetPlan, staging: str, checks: list[FileCheck]) -> StagedCounts:
-    """The one Ray Data pipeline: read, validate, transform, split, write into `staging`."""
-    paths = [c.path for c in checks if c.readable_by_pipeline]
-    return run_pipeline(
-        filesystem_and_path(plan.source)[0], paths, plan.spec(), staging, _output_fs(plan)
-    )
+@contextlib.contextmanager
+def ray_job(cluster: RayCluster) -> Iterator[None]:
+    """This process on `cluster` as a Ray job tied to the flow run both ways (the run's id in
+    the job's metadata, the job on the run), as the task runner ties its jobs; left at the
+    end. A connection the process already has (a parent flow's) is used as it is."""
+    import ray  # only on a cache miss: a cache hit never loads Ray
+
+    context = FlowRunContext.get()
+    flow_run_id = context.flow_run.id if context and context.flow_run else None
+    if ray.is_initialized():
+        if flow_run_id:
+            link_flow_run(flow_run_id, cluster)
+        yield
+        return
+    cluster.export_auth_token()
+    kwargs = cluster.init_kwargs()
+    if flow_run_id:
+        kwargs["job_config"] = job_config(flow_run_id)
+    ray_context = ray.init(cluster.ray_init_address, **kwargs)
+    try:
+        if flow_run_id:
+            link_flow_run(flow_run_id, cluster, ray_context)
+        yield
+    finally:
+        ray.shutdown()
 
 
-def dataset_result(
-    plan: DatasetPlan, checks: list[FileCheck], staged: StagedCounts
-) -> DatasetResult:
-    rows_in = sum(c.rows for c in checks)
+def dataset_result(plan: DatasetPlan, staged: StagedCounts) -> DatasetResult:
+    rows_in = staged.rows_in
     return DatasetResult(
         output=plan.output,
         train_path=posixpath.join(plan.output, "train"),

@@ -140,6 +140,11 @@ class Serving(BaseModel):
     )
     num_cpus: float = Field(0.25, ge=0, description="CPUs per replica (fractions allowed).")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (fractions allowed).")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per replica, to place the version's replicas on "
+        "the nodes that offer them (e.g. a worker group's {'worker_node': 1}).",
+    )
     health_check_period_s: float = Field(2.0, gt=0, description="Serve health-check period.")
     health_check_timeout_s: float = Field(10.0, gt=0, description="Serve health-check timeout.")
     max_ongoing_requests: int = Field(32, ge=1, description="Concurrent requests per replica.")
@@ -148,8 +153,9 @@ class Serving(BaseModel):
 
     def version_options(self) -> dict[str, Any]:
         options = self.model_dump(exclude={"router_replicas", "router_num_cpus"}, exclude_none=True)
-        if not options.get("num_gpus"):
-            options.pop("num_gpus", None)
+        for empty in ("num_gpus", "resources"):
+            if not options.get(empty):
+                options.pop(empty, None)
         serving_options(options)  # raises ValueError naming a bad option
         return options
 

@@ -15,14 +15,15 @@ WORKER_CPUS = 2
 
 
 @contextlib.contextmanager
-def second_node(stack: Stack) -> Iterator[WorkerNode]:
+def second_node(stack: Stack, name: str = "w2") -> Iterator[WorkerNode]:
     """A worker node of WORKER_CPUS CPUs (and as many WORKER_RESOURCE) joined to the stack's
-    head, stopped by pid when the block ends."""
+    head, stopped by pid when the block ends; `name` is its state folder (short: Ray's unix
+    sockets live under it)."""
     with join(
         stack.ray_address,
         stack.ray_dashboard_url,
         stack.state_dir / "ray_auth_token",
-        stack.state_dir / "w2",  # short: Ray's unix sockets live under it
+        stack.state_dir / name,
         cpus=WORKER_CPUS,
     ) as node:
         yield node

@@ -216,3 +216,84 @@ def test_a_node_lost_mid_sweep_has_its_trials_retried_on_the_head(
     assert all(m["ppid"] != node2 and local.process_running(m["ppid"]) for m in after)
     run = prefect_client.read_flow_run(result.metrics["flow_run_id"])
     assert run.state.is_completed()
+
+
+def test_a_node_lost_during_a_canary_is_caught_by_the_gates_and_no_user_sees_it(stack, checkpoints):
+    """The candidate's replica runs on a second node that dies mid-canary: the router answers
+    the requests it loses from live, the gates reject the candidate, live keeps serving."""
+    from mlflow import MlflowClient
+
+    from deployments.load import ClosedLoop
+    from flows.rollout import RolloutFailed, serve_rollout
+    from tasks.serve_config import Gates, Serving
+    from workloads import registry, serve_control
+    from workloads.route_state import drop_route_state
+
+    route, name = "multinode", f"lost-{os.getpid()}"
+    client = MlflowClient(stack.mlflow_uri)
+    for version in range(2):
+        registry.register_checkpoint(
+            client,
+            name=name,
+            checkpoint=checkpoints["good"],
+            experiment_name="multinode",
+            trial_key_value=f"{name}-{version}",
+            observation_size=4,
+        )
+    on_head = Serving(num_cpus=0.1, health_check_period_s=1, router_num_cpus=0.1)
+    on_node = on_head.model_copy(update={"resources": {WORKER_RESOURCE: 1}})
+    gates = Gates(
+        stability_window_s=3,
+        canary_steps=[0.5],
+        canary_hold_s=30,
+        max_error_rate=0.05,
+        max_p99_ms=5000,
+        p99_slack_ms=1000,
+        request_timeout_s=4,
+    )
+    common = dict(
+        model_name=name,
+        route=route,
+        gates=gates,
+        ray_cluster=stack.ray_cluster(),
+        mlflow_server=MLflowServer(tracking_uri=stack.mlflow_uri),
+    )
+    cluster = stack.ray_cluster()
+    with cluster.connect(), ThreadPoolExecutor(1) as pool:
+        serve_control.start(cluster.serve_host, cluster.serve_port)
+        try:
+            # The router and live run on the head; the node joins for the candidate only.
+            serve_rollout(version="1", serving=on_head, **common)
+            with (
+                multinode.second_node(stack, "w3") as node,
+                ClosedLoop(stack.serve_port, f"/{route}", pause_s=0.02) as traffic,
+            ):
+                running = pool.submit(
+                    contextvars.copy_context().run,
+                    serve_rollout,
+                    version="2",
+                    serving=on_node,
+                    **common,
+                )
+                deadline = time.monotonic() + 180
+                while not any(a.version == "2" for a in traffic.answers):
+                    assert not running.done(), running.result()
+                    assert time.monotonic() < deadline, "the canary never served v2"
+                    time.sleep(0.2)
+                app = serve_control.version_app_name(name, "2")
+                details = serve_control.details()["applications"][app]["deployments"]
+                replicas = [r for d in details.values() for r in d["replicas"]]
+                assert {r["node_id"] for r in replicas} == {node.node_id}
+                os.kill(node.raylet_pid(), signal.SIGKILL)  # the candidate's node is lost
+                with pytest.raises(RolloutFailed, match="canary"):
+                    running.result(timeout=300)
+                time.sleep(1)
+            assert traffic.failed() == [], traffic.failed()[:3]
+            lost = [a for a in traffic.answers if a.fallback_from == "2"]
+            assert lost and {a.version for a in lost} == {"1"}
+            assert traffic.answers[-1].version == "1"
+            assert registry.resolve_alias(client, name, registry.LIVE).version == "1"
+        finally:
+            apps = {a for a in serve_control.app_configs() if a.startswith(name)}
+            serve_control.apply(deletes=apps | {serve_control.router_app_name(route)})
+            drop_route_state(route)

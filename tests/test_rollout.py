@@ -26,7 +26,7 @@ from workloads.constants import ROUTER_DEPLOYMENT
 from workloads.route_state import drop_route_state, route_figures
 
 ROUTE = "policy-test"
-VERSIONS = 7
+VERSIONS = 9
 
 
 def fast_gates(**overrides) -> Gates:
@@ -54,7 +54,7 @@ SERVING = Serving(
 
 @pytest.fixture(scope="module")
 def serving(stack, checkpoints):
-    """The test process joins the cluster (as the flows do), a fresh model has seven versions
+    """The test process joins the cluster (as the flows do), a fresh model has nine versions
     of one policy, and every app this module made is deleted at the end."""
     cluster = stack.ray_cluster()
     server = MLflowServer(tracking_uri=stack.mlflow_uri)
@@ -319,6 +319,29 @@ def test_degradation_after_the_swap_is_rolled_back_without_a_failed_request(
     assert not serve_control.app_exists(serve_control.version_app_name(serving["name"], "5"))
     (event,) = rollout_events(prefect_client, serving, 5, "rolled-back")
     assert event.payload["stage"] == "bake"
+
+
+def test_a_candidate_is_stopped_by_its_smoke_test_or_its_canary_p99(serving):
+    ensure_live(serving, "2")
+    with load(serving) as traffic:
+        # A golden observation the version cannot act on: smoke stops it before any traffic.
+        with pytest.raises(RolloutFailed, match="smoke"):
+            rollout(serving, 8, gates=fast_gates(smoke_observations=[[0.1, 0.2]]))
+        # 300 ms more on every answer: slow, not failing, and the canary judges its p99.
+        with pytest.raises(RolloutFailed, match="p99"):
+            rollout(
+                serving,
+                9,
+                drill=Drill(faults={"latency_ms": 300}),
+                gates=fast_gates(max_p99_ms=250, canary_min_requests=10),
+            )
+    assert live_version(serving) == "2"
+    assert traffic.failed() == []
+    assert (verdict(serving, 8)["verdict"], verdict(serving, 8)["stage"]) == ("rejected", "smoke")
+    tags = verdict(serving, 9)
+    assert (tags["verdict"], tags["stage"]) == ("rejected", "canary") and "p99" in tags["reason"]
+    assert "9" in {a.version for a in traffic.answers}  # the canary did serve it, slowly
+    assert not serve_control.app_exists(serve_control.version_app_name(serving["name"], "9"))
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ __all__ = [
 logger = logging.getLogger("ray.serve")
 
 FIGURES_KEEP_S = 900.0
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's own resource of the head node
 STATS_FLUSH_S = 0.25
 LEASE_POLL_S = 0.5
 LEASE_STALE_S = 2.0  # a lease a replica has not confirmed for this long counts as lapsed
@@ -126,7 +127,12 @@ def route_state(route: str, create: bool = True) -> Any:
         except ValueError:
             return None
     return RouteState.options(
-        name=name, namespace=SERVE_NAMESPACE, lifetime="detached", get_if_exists=True
+        name=name,
+        namespace=SERVE_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        # On the head, with Serve's controller: losing a worker node must not lose the lease.
+        resources={HEAD_NODE_RESOURCE: 0.001},
     ).remote()
 
 

@@ -265,14 +265,14 @@ class Router:
             head = await asyncio.wait_for(stream.__anext__(), timeout_s)
         except Exception as error:
             if stream is not None:
-                stream.cancel()
+                _cancel(stream)
             if isinstance(error, TimeoutError):
                 reason, status = f"no first chunk within {timeout_s:g} s", 504
             else:
                 reason, status = f"{type(error).__name__}: {str(error)[-300:]}", 502
             return json_response(status, {"error": f"v{target.version}: {reason}"})
         if head.get("status", 200) >= 500:
-            stream.cancel()
+            _cancel(stream)
             return json_response(502, {"error": f"v{target.version} answered {head['status']}"})
         return stream, head
 
@@ -294,7 +294,7 @@ class Router:
         try:
             return await asyncio.wait_for(result(), timeout_s)
         except TimeoutError:
-            response.cancel()
+            _cancel(response)
             return json_response(
                 504,
                 {"error": f"v{target.version} did not answer within {timeout_s:g} s"},
@@ -305,6 +305,14 @@ class Router:
                 502,
                 {"error": f"v{target.version} failed: {type(error).__name__}: {message[:300]}"},
             )
+
+
+def _cancel(call: Any) -> None:
+    """Cancel a handle call that is no longer wanted; one whose replica died may refuse."""
+    try:
+        call.cancel()
+    except Exception:  # nothing to cancel: the answer is already decided
+        logger.debug("could not cancel a call", exc_info=True)
 
 
 def _ms_since(started: float) -> float:

@@ -381,7 +381,8 @@ class PolicyServer:
 
 def serving_options(serving: dict[str, Any] | None) -> dict[str, Any]:
     """Serve deployment options from a plain mapping (replicas or autoscaling, CPUs, GPUs,
-    health-check period and timeout, concurrency). Raises ValueError naming a bad key."""
+    custom resources, health-check period and timeout, concurrency). Raises ValueError naming
+    a bad key."""
     serving = dict(serving or {})
     allowed = {
         "num_replicas",
@@ -389,6 +390,7 @@ def serving_options(serving: dict[str, Any] | None) -> dict[str, Any]:
         "num_cpus",
         "num_gpus",
         "memory",
+        "resources",
         "health_check_period_s",
         "health_check_timeout_s",
         "max_ongoing_requests",
@@ -404,7 +406,12 @@ def serving_options(serving: dict[str, Any] | None) -> dict[str, Any]:
         actor["memory"] = int(serving["memory"])
     if any(v < 0 for v in actor.values()):
         raise ValueError(f"resources must not be negative: {actor}")
-    options: dict[str, Any] = {"ray_actor_options": actor}
+    custom = dict(serving.get("resources") or {})
+    if any(not isinstance(v, int | float) or v < 0 for v in custom.values()):
+        raise ValueError(f"custom resources must be non-negative numbers: {custom}")
+    options: dict[str, Any] = {
+        "ray_actor_options": {**actor, **({"resources": custom} if custom else {})}
+    }
     if serving.get("autoscaling"):
         options["autoscaling_config"] = dict(serving["autoscaling"])
     else:

@@ -1,6 +1,6 @@
 """Dataset prep on Ray Data: source files, schema, per-file checks, the pipeline, publishing."""
 
-from workloads.data.checks import QUARANTINE_DIR, FileCheck, check_file
+from workloads.data.checks import QUARANTINE_DIR, FileCheck, check_file, start_checks
 from workloads.data.pipeline import (
     PipelineSpec,
     RowFilter,
@@ -43,6 +43,7 @@ __all__ = [
     "run_pipeline",
     "split_of",
     "staging_path",
+    "start_checks",
     "summarize_source",
     "to_uri",
     "transform_source",

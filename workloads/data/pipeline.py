@@ -23,6 +23,7 @@ from workloads.data.checks import (
     QUARANTINE_SCHEMA,
     quarantine_table,
     row_json,
+    start_checks,
     write_quarantine,
 )
 from workloads.data.schema import cast_column, parse_json_lines, skip_malformed
@@ -261,8 +262,9 @@ def read_dataset(filesystem: pafs.FileSystem, paths: list[str], spec: PipelineSp
 
 @dataclass(frozen=True)
 class StagedCounts:
-    """What a pipeline left in its staging folder."""
+    """What a pipeline read, and what it left in its staging folder."""
 
+    rows_in: int
     rows_train: int
     rows_eval: int
     rows_quarantined: int
@@ -279,7 +281,7 @@ def _rows(filesystem: pafs.FileSystem, files: list[str]) -> int:
     return sum(pq.ParquetFile(filesystem.open_input_file(p)).metadata.num_rows for p in files)
 
 
-def summarize_staging(filesystem: pafs.FileSystem, staging: str) -> StagedCounts:
+def summarize_staging(filesystem: pafs.FileSystem, staging: str, rows_in: int) -> StagedCounts:
     """Row counts from parquet footers, and quarantine reasons by count (largest first)."""
     counts = {
         split: _rows(filesystem, _parquet_files(filesystem, posixpath.join(staging, split)))
@@ -314,6 +316,7 @@ def summarize_staging(filesystem: pafs.FileSystem, staging: str) -> StagedCounts
         }
     )
     return StagedCounts(
+        rows_in=rows_in,
         rows_train=counts["train"],
         rows_eval=counts["eval"],
         rows_quarantined=quarantine.num_rows,
@@ -330,10 +333,16 @@ def run_pipeline(
     staging: str,
     output_filesystem: pafs.FileSystem,
 ) -> StagedCounts:
-    """Read, prepare and write the dataset into `staging` (train/, eval/, quarantine/); must
-    run where Ray is initialised. Files the per-file checks rejected are left out."""
+    """Check every file, then read, prepare and write the dataset into `staging` (train/,
+    eval/, quarantine/); the Ray Data driver is the calling process, where Ray is initialised.
+    Files the per-file checks reject are left out of the read."""
     quarantine_dir = posixpath.join(staging, QUARANTINE_DIR)
     data_dir = posixpath.join(staging, "_data")
+    checked = start_checks(filesystem, paths, spec.format, spec.schema, quarantine_dir)
+    import ray.data  # noqa: F401 - loads (once per process) while the checks run
+
+    checks = checked()
+    paths = [c.path for c in checks if c.readable_by_pipeline]
     if paths:
         dataset = read_dataset(filesystem, paths, spec).map_batches(
             prepare_batch,
@@ -364,4 +373,4 @@ def run_pipeline(
             posixpath.join(quarantine_dir, "empty.parquet"),
             filesystem=output_filesystem,
         )
-    return summarize_staging(output_filesystem, staging)
+    return summarize_staging(output_filesystem, staging, sum(c.rows for c in checks))
