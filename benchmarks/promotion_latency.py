@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from typing import Any
@@ -37,18 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-s", type=float, default=10.0, help="the rollout's route lease")
     args = parser.parse_args(argv)
 
-    from deployments.stack import temporary_stack
+    from deployments.stack import pointed_at, temporary_stack
 
     with temporary_stack(ray_num_cpus=4, prefix="bench-promo-") as stack:
-        os.environ.update(
-            PREFECT_API_URL=stack.prefect_api_url,
-            MLFLOW_TRACKING_URI=stack.mlflow_uri,
-            RAY_AUTH_MODE="token",
-            RAY_AUTH_TOKEN_PATH=str(stack.state_dir / "ray_auth_token"),
-        )
-        from prefect.settings import PREFECT_API_URL, temporary_settings
-
-        with temporary_settings(updates={PREFECT_API_URL: stack.prefect_api_url}):
+        with pointed_at(stack):
             result = run(stack, max(3, args.moves), args.lease_s)
     print(json.dumps(result))
     return 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 import uuid
@@ -45,18 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="steady-state rounds (>= 3)")
     args = parser.parse_args(argv)
 
-    from deployments.stack import temporary_stack
+    from deployments.stack import pointed_at, temporary_stack
 
     with temporary_stack(ray_num_cpus=4, prefix="bench-serve-") as stack:
-        os.environ.update(
-            PREFECT_API_URL=stack.prefect_api_url,
-            MLFLOW_TRACKING_URI=stack.mlflow_uri,
-            RAY_AUTH_MODE="token",
-            RAY_AUTH_TOKEN_PATH=str(stack.state_dir / "ray_auth_token"),
-        )
-        from prefect.settings import PREFECT_API_URL, temporary_settings
-
-        with temporary_settings(updates={PREFECT_API_URL: stack.prefect_api_url}):
+        with pointed_at(stack):
             result = run(stack, args.threads, args.steady_s, max(3, args.rounds))
     print(json.dumps(result))
     return 0

@@ -43,6 +43,16 @@ class Stack:
         argv = local.running(self.service("ray"))["argv"]
         return f"ray://{local.HOST}:{argv[argv.index('--ray-client-server-port') + 1]}"
 
+    def client_env(self) -> dict[str, str]:
+        """What a client of the stack needs in its environment (Ray's token by path, kept out
+        of ~/.ray)."""
+        return {
+            "PREFECT_API_URL": self.prefect_api_url,
+            "MLFLOW_TRACKING_URI": self.mlflow_uri,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(self.state_dir / "ray_auth_token"),
+        }
+
     def service(self, name: str) -> local.Service:
         """One of the stack's services, to stop and start again (local.stop / local.start)."""
         return next(s for s in self.services if s.name == name)
@@ -116,13 +126,7 @@ def environment(stack: Stack, routes: tuple[str, ...] = ("policy",)) -> setup.En
         serve_port=stack.serve_port,
         routes=routes,
         receiver_url=stack.webhook_url,
-        client_env={
-            "PREFECT_API_URL": stack.prefect_api_url,
-            "MLFLOW_TRACKING_URI": stack.mlflow_uri,
-            "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN_PATH": str(stack.state_dir / "ray_auth_token"),
-            "PREFECT_WORKER_QUERY_SECONDS": "2",
-        },
+        client_env={**stack.client_env(), "PREFECT_WORKER_QUERY_SECONDS": "2"},
     )
 
 
@@ -170,3 +174,50 @@ def set_parameters(parameters: dict[str, dict[str, Any]]) -> None:
             deployment = client.read_deployment_by_name(name)
             merged = {**(deployment.parameters or {}), **values}
             client.update_deployment(deployment.id, DeploymentUpdate(parameters=merged))
+
+
+@contextlib.contextmanager
+def pointed_at(stack: Stack) -> Iterator[None]:
+    """Point this process, its threads and the subprocesses it starts at the stack's
+    servers. temporary_settings reaches this thread only: other threads read Prefect's global
+    settings, refreshed here from the environment (without it, a flow run in a thread starts
+    Prefect's temporary server)."""
+    from prefect.context import refresh_global_settings_context
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    # Blocks export the token they carry into RAY_AUTH_TOKEN: put back what was there before.
+    token = os.environ.get("RAY_AUTH_TOKEN")
+    try:
+        with environ(stack.client_env()):
+            refresh_global_settings_context()
+            with temporary_settings(updates={PREFECT_API_URL: stack.prefect_api_url}):
+                try:
+                    yield
+                finally:
+                    # Send what is queued while the server still runs: drained at exit, with
+                    # no API URL left, Prefect would start a temporary server to send it to.
+                    for worker in (EventsWorker, APILogWorker):
+                        worker.drain_all(timeout=30)
+    finally:
+        if token is None:
+            os.environ.pop("RAY_AUTH_TOKEN", None)
+        else:
+            os.environ["RAY_AUTH_TOKEN"] = token
+        refresh_global_settings_context()
+
+
+@contextlib.contextmanager
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values`, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -7,15 +7,13 @@ Only tests that need them start them: a test whose fixtures reach `stack` is mar
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from deployments.stack import Stack, temporary_stack
+from deployments.stack import Stack, environ, pointed_at, temporary_stack
 from workloads.constants import llm_python
 from workloads.rllib import module_path
 
@@ -66,28 +64,13 @@ def no_temporary_prefect_server():
     from prefect.context import refresh_global_settings_context
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_ENABLED, temporary_settings
 
-    with _environment({PREFECT_SERVER_EPHEMERAL_ENABLED.name: "false"}):
+    with environ({PREFECT_SERVER_EPHEMERAL_ENABLED.name: "false"}):
         refresh_global_settings_context()
     try:
         with temporary_settings(updates={PREFECT_SERVER_EPHEMERAL_ENABLED: False}):
             yield
     finally:
         refresh_global_settings_context()
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """os.environ with `values`, restored afterwards."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @pytest.hookimpl(trylast=True)
@@ -111,45 +94,6 @@ def no_stray_ray():
     if ray.is_initialized():
         ray.shutdown()
         pytest.fail("the module left a Ray connection (or Ray auto-started one) behind")
-
-
-@contextlib.contextmanager
-def pointed_at(stack: Stack) -> Iterator[None]:
-    """Point this process, its threads and the subprocesses tests start at the session's
-    servers. temporary_settings reaches this thread only: other threads read Prefect's global
-    settings, refreshed here from the environment (without it, a flow run in a thread starts
-    Prefect's temporary server)."""
-    from prefect.context import refresh_global_settings_context
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    overrides = {
-        "PREFECT_API_URL": stack.prefect_api_url,
-        "MLFLOW_TRACKING_URI": stack.mlflow_uri,
-        # Ray's token for every driver and embedded Ray of the session, kept out of ~/.ray.
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN_PATH": str(stack.state_dir / "ray_auth_token"),
-    }
-    # Blocks export the token they carry into RAY_AUTH_TOKEN: put back what was there before.
-    token = os.environ.get("RAY_AUTH_TOKEN")
-    try:
-        with _environment(overrides):
-            refresh_global_settings_context()
-            with temporary_settings(updates={PREFECT_API_URL: stack.prefect_api_url}):
-                try:
-                    yield
-                finally:
-                    # Send what is queued while the server still runs: drained at exit, with
-                    # no API URL left, Prefect would start a temporary server to send it to.
-                    for worker in (EventsWorker, APILogWorker):
-                        worker.drain_all(timeout=30)
-    finally:
-        if token is None:
-            os.environ.pop("RAY_AUTH_TOKEN", None)
-        else:
-            os.environ["RAY_AUTH_TOKEN"] = token
-        refresh_global_settings_context()
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """Data prep on the session's Ray head: quarantine counts, stable split, cache hits without
-Ray, atomic output, lineage; and the two reference transforms."""
+Ray, atomic output and replacement, lineage; and the two reference transforms."""
 
 from __future__ import annotations
 
@@ -26,9 +26,10 @@ from prefect.states import StateType
 
 from blocks import RayCluster
 from flows.data_prep import DataPrepParams, data_prep
+from ray_runner import JOB_METADATA_FLOW_RUN_ID
 from tasks.data import TooManyBadRows, judge_bad_rows, plan_dataset
-from workloads.data.pipeline import split_of
 from workloads.data.source import SourceError, resolve_source
+from workloads.data.splits import split_of
 from workloads.transforms import BOS_ID, EOS_ID, ByteTokenizer, prepare_numeric, tokenize_text
 
 GOOD_ROWS = 1500  # per CSV file; two files
@@ -160,19 +161,21 @@ def test_bad_rows_go_to_the_quarantine_with_exact_counts_and_reasons(
     assert event.payload["rows_out"] == result.rows_train + result.rows_eval
     assert event.payload["fingerprint"] == result.fingerprint
     assert {r.id for r in event.related} >= {f"file://{source}"}
-    # The fan-out really ran on Ray as Prefect tasks: one check per file, one pipeline.
-    (ray_flow_run,) = prefect_client.read_flow_runs(
-        flow_filter=FlowFilter(name=FlowFilterName(any_=["data-prep-on-ray"])),
+    # The run is tied both ways to the Ray job that did the work: a user goes from either one
+    # to the other.
+    (flow_run,) = prefect_client.read_flow_runs(
+        flow_filter=FlowFilter(name=FlowFilterName(any_=["data-prep"])),
         sort=FlowRunSort.START_TIME_DESC,
         limit=1,
     )
+    (job,) = [j for j in ray_jobs(stack) if j.job_id == flow_run.labels["ray.job_id"]]
+    assert job.metadata[JOB_METADATA_FLOW_RUN_ID] == str(flow_run.id)
     task_runs = prefect_client.read_task_runs(
-        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[ray_flow_run.id]))
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))
     )
-    assert sorted(r.name.split("-")[0] for r in task_runs) == ["check_source_file"] * 3 + [
-        "prepare_dataset"
-    ]
-    assert {r.state.type for r in task_runs} == {StateType.COMPLETED}
+    assert {r.name.rsplit("-", 1)[0]: r.state.type for r in task_runs}["prepare_dataset"] == (
+        StateType.COMPLETED
+    )
     artifacts = prefect_client.read_artifacts(
         artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["data-prep"])),
         sort=ArtifactSort.CREATED_DESC,
@@ -222,10 +225,14 @@ def test_the_split_is_stable_across_runs_and_file_layouts(stack, tmp_path):
     assert split_of(pa.array([0, 1, 2, 3, 4, 5, 6, 7]), 0.25).to_pylist() == PINNED_SPLIT
 
 
-def ray_job_ids(stack) -> set[str]:
+def ray_jobs(stack) -> list:
     from ray.util.state import list_jobs
 
-    return {job.job_id for job in list_jobs(address=stack.ray_dashboard_url, limit=1000)}
+    return list_jobs(address=stack.ray_dashboard_url, limit=1000, detail=True)
+
+
+def ray_job_ids(stack) -> set[str]:
+    return {job.job_id for job in ray_jobs(stack)}
 
 
 def test_a_rerun_with_the_same_inputs_is_a_cache_hit_without_ray(stack, prefect_client, tmp_path):
@@ -260,6 +267,14 @@ def test_a_rerun_with_the_same_inputs_is_a_cache_hit_without_ray(stack, prefect_
     )
     pq.write_table(pa.Table.from_pandas(good_frame(1, 2000)), source)
     assert plan_dataset.fn(params).fingerprint != base
+
+    # A changed source replaces the published dataset as a whole: no old row, no leftover.
+    third = data_prep(params, ray_cluster=stack.ray_cluster())
+    assert not third.cache_hit and third.fingerprint != first.fingerprint
+    assert json.loads((output / "_manifest.json").read_text())["fingerprint"] == third.fingerprint
+    ids = [pq.read_table(p)["id"] for p in (third.train_path, third.eval_path)]
+    assert sorted(pa.chunked_array(ids).to_pylist()) == list(range(1, 2001))
+    assert staged_leftovers(output) == []
 
 
 BROKEN_TRANSFORMS = '''

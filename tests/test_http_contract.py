@@ -154,7 +154,6 @@ def route(stack, checkpoints):
     from flows.rollout import serve_rollout
     from tasks.serve_config import Gates, Serving
     from workloads import registry, serve_control
-    from workloads.route_state import drop_route_state
 
     cluster = stack.ray_cluster()
     name = f"contract-{uuid.uuid4().hex[:6]}"
@@ -195,14 +194,7 @@ def route(stack, checkpoints):
                 }
         finally:
             serve_control.release()  # no handle may outlive this driver's Ray connection
-            serve_control.apply(
-                deletes={
-                    a
-                    for a in serve_control.app_configs()
-                    if a.startswith(name) or a == serve_control.router_app_name(ROUTE)
-                }
-            )
-            drop_route_state(ROUTE)
+            serve_control.delete_route(ROUTE, name)
 
 
 def post(route, body: bytes = VALID, content_type: str = JSON_TYPE, **headers):

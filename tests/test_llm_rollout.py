@@ -19,7 +19,6 @@ from flows.rollout import serve_rollout
 from tasks.serve_config import Gates, LLMServing, Serving
 from workloads import registry, serve_control
 from workloads.constants import llm_python
-from workloads.route_state import drop_route_state
 from workloads.tiny_llm import build_tiny_llm
 
 pytestmark = [pytest.mark.llm, pytest.mark.slow]
@@ -72,14 +71,7 @@ def llm_model(stack, tmp_path_factory):
         }
     finally:
         with cluster.connect():
-            serve_control.apply(
-                deletes={
-                    a
-                    for a in serve_control.app_configs()
-                    if a.startswith(name) or a == serve_control.router_app_name(ROUTE)
-                }
-            )
-            drop_route_state(ROUTE)
+            serve_control.delete_route(ROUTE, name)
 
 
 def completion(

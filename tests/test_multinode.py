@@ -227,7 +227,6 @@ def test_a_node_lost_during_a_canary_is_caught_by_the_gates_and_no_user_sees_it(
     from flows.rollout import RolloutFailed, serve_rollout
     from tasks.serve_config import Gates, Serving
     from workloads import registry, serve_control
-    from workloads.route_state import drop_route_state
 
     route, name = "multinode", f"lost-{os.getpid()}"
     client = MlflowClient(stack.mlflow_uri)
@@ -294,6 +293,4 @@ def test_a_node_lost_during_a_canary_is_caught_by_the_gates_and_no_user_sees_it(
             assert traffic.answers[-1].version == "1"
             assert registry.resolve_alias(client, name, registry.LIVE).version == "1"
         finally:
-            apps = {a for a in serve_control.app_configs() if a.startswith(name)}
-            serve_control.apply(deletes=apps | {serve_control.router_app_name(route)})
-            drop_route_state(route)
+            serve_control.delete_route(route, name)

@@ -5,6 +5,7 @@ serves it over HTTP, and Prefect recorded the assets from the experiment to the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -20,9 +21,9 @@ from mlflow import MlflowClient
 from blocks import MLflowServer
 from deployments import lineage as walkback
 from deployments import setup
+from deployments.stack import environment as stack_environment
 from tasks import lineage
 from workloads import registry, serve_control
-from workloads.route_state import drop_route_state
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -106,21 +107,8 @@ def environment(stack):
     """The stack as a deployment environment: blocks, pool, limit (deployments.setup); a real
     worker process for the pool; and, at the end, the worker stopped by pid and every Serve
     app this test made deleted."""
-    env = setup.Environment(
-        ray_address=stack.ray_address,
-        mlflow_uri=stack.mlflow_uri,
-        ray_token=stack.ray_token,
-        ray_dashboard_url=stack.ray_dashboard_url,
-        serve_port=stack.serve_port,
-        routes=(ROUTE,),
-        client_env={
-            "PREFECT_API_URL": stack.prefect_api_url,
-            "MLFLOW_TRACKING_URI": stack.mlflow_uri,
-            "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN_PATH": str(stack.state_dir / "ray_auth_token"),
-            "PREFECT_WORKER_QUERY_SECONDS": "2",
-        },
-    )
+    # No registry webhook: this test reads no registry events.
+    env = dataclasses.replace(stack_environment(stack, routes=(ROUTE,)), receiver_url=None)
     model_name = f"shipped-{uuid.uuid4().hex[:6]}"
     try:
         yield env, model_name
@@ -129,13 +117,7 @@ def environment(stack):
         cluster = stack.ray_cluster()
         with cluster.connect():
             serve_control.start(cluster.serve_host, cluster.serve_port)
-            apps = {
-                a
-                for a in serve_control.app_configs()
-                if a.startswith(model_name) or a == serve_control.router_app_name(ROUTE)
-            }
-            serve_control.apply(deletes=apps)
-            drop_route_state(ROUTE)
+            serve_control.delete_route(ROUTE, model_name)
 
 
 def run_deployment(prefect_client, cli_env: dict, params: dict, state_dir: Path):

@@ -30,7 +30,6 @@ from deployments.watch import (
     wait_for,
 )
 from workloads import registry, serve_control
-from workloads.route_state import drop_route_state
 
 MODEL = "cartpole-ppo"  # the model prefect.yaml's reconcile trigger watches
 ROUTE = "policy"  # the deployments' default route
@@ -98,13 +97,7 @@ def lifecycle(stack, checkpoints, prefect_client):
                     prefect_client.delete_flow_run(run.id)
             with cluster.connect():
                 serve_control.start(cluster.serve_host, cluster.serve_port)
-                apps = {
-                    a
-                    for a in serve_control.app_configs()
-                    if a.startswith(MODEL) or a == serve_control.router_app_name(ROUTE)
-                }
-                serve_control.apply(deletes=apps)
-                drop_route_state(ROUTE)
+                serve_control.delete_route(ROUTE, MODEL)
             client.delete_registered_model(MODEL)
 
 

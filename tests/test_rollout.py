@@ -23,7 +23,7 @@ from flows.rollout import RolloutFailed, serve_rollout
 from tasks.serve_config import Drill, Gates, Serving
 from workloads import registry, serve_control
 from workloads.constants import ROUTER_DEPLOYMENT
-from workloads.route_state import drop_route_state, route_figures
+from workloads.route_state import route_figures
 
 ROUTE = "policy-test"
 VERSIONS = 9
@@ -80,17 +80,7 @@ def serving(stack, checkpoints):
                 "port": cluster.serve_port,
             }
         finally:
-            clear_route(name)
-
-
-def clear_route(name: str) -> None:
-    apps = {
-        a
-        for a in serve_control.app_configs()
-        if a.startswith(name) or a == serve_control.router_app_name(ROUTE)
-    }
-    serve_control.apply(deletes=apps)
-    drop_route_state(ROUTE)
+            serve_control.delete_route(ROUTE, name)
 
 
 def rollout(serving, version, **kwargs):
@@ -200,7 +190,7 @@ def router_status(serving) -> dict:
 def test_first_rollout_by_alias_then_a_good_candidate_swaps_with_zero_failed_requests(
     serving, prefect_client
 ):
-    clear_route(serving["name"])
+    serve_control.delete_route(ROUTE, serving["name"])
     serving["client"].set_registered_model_alias(serving["name"], registry.CHAMPION, "1")
     first = rollout(serving, None)  # no version: the one `champion` names
     assert first.outcome == "first_rollout" and first.version == "1"

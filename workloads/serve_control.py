@@ -21,6 +21,7 @@ from ray.serve.context import _connect
 from ray.serve.schema import ServeDeploySchema
 
 from workloads.constants import POLICY_DEPLOYMENT, ROUTER_DEPLOYMENT
+from workloads.route_state import drop_route_state
 from workloads.router_config import RouterConfig
 
 POLICY_IMPORT = "workloads.serving:build_policy_app"
@@ -39,6 +40,16 @@ def version_app_name(model_name: str, version: str) -> str:
 
 def router_app_name(route: str) -> str:
     return f"router-{route}"
+
+
+def delete_route(route: str, model_name: str) -> set[str]:
+    """Take a route down: its router, the apps of `model_name`'s versions, and the route's
+    state (figures and lease). Returns the apps deleted."""
+    prefix = version_app_name(model_name, "")
+    apps = {a for a in app_configs() if a.startswith(prefix) or a == router_app_name(route)}
+    apply(deletes=apps)
+    drop_route_state(route)
+    return apps
 
 
 def validate_route(route: str) -> str:

@@ -1,4 +1,5 @@
-"""Dataset prep on Ray Data: source files, schema, per-file checks, the pipeline, publishing."""
+"""Dataset prep on Ray Data: source files, schema, per-file checks, the pipeline, the split,
+publishing."""
 
 from workloads.data.checks import QUARANTINE_DIR, FileCheck, check_file, start_checks
 from workloads.data.pipeline import (
@@ -8,7 +9,6 @@ from workloads.data.pipeline import (
     TransformContractError,
     load_transform,
     run_pipeline,
-    split_of,
     transform_source,
 )
 from workloads.data.publish import discard, publish, read_manifest, staging_path
@@ -21,6 +21,7 @@ from workloads.data.source import (
     resolve_source,
     to_uri,
 )
+from workloads.data.splits import split_of
 
 __all__ = [
     "QUARANTINE_DIR",

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
@@ -28,11 +29,8 @@ from workloads.data.checks import (
 )
 from workloads.data.schema import cast_column, parse_json_lines, skip_malformed
 from workloads.data.source import data_files
+from workloads.data.splits import SPLIT_COLUMN, SPLITS, in_eval, split_labels
 
-SPLIT_COLUMN = "split"
-SPLITS = ("train", "eval")
-# Hash space for the split: a key goes to eval when its hash falls below ratio * this.
-SPLIT_BUCKETS = 2**32
 # Reasons kept in a summary (and in an error message) so a reader sees the first problems.
 FIRST_REASONS = 5
 
@@ -120,25 +118,6 @@ def validate(raw: pa.Table, spec: PipelineSpec, bad: dict[int, tuple[str, str]])
     return typed
 
 
-def split_of(keys: pa.Array | pa.ChunkedArray, eval_fraction: float) -> pa.Array:
-    """'train' or 'eval' per key, from a hash of the key: stable across runs, batches,
-    processes and machines (pandas' hash_array is seeded with a fixed key). Integer keys hash
-    as int64 (fast, vectorised); others hash as their text; null keys hash like 0 or ''."""
-    # pandas only inside Ray Data workers: the flow process plans without loading it.
-    import pandas as pd
-
-    if pa.types.is_integer(keys.type):
-        values = pc.fill_null(keys.cast(pa.int64()), 0).to_numpy()
-    else:
-        values = (
-            pc.fill_null(pc.cast(keys, pa.string()), "")
-            .to_numpy(zero_copy_only=False)
-            .astype(object)
-        )
-    is_eval = pd.util.hash_array(values) % SPLIT_BUCKETS < eval_fraction * SPLIT_BUCKETS
-    return pc.if_else(pa.array(is_eval, pa.bool_()), "eval", "train")
-
-
 def _to_format(table: pa.Table, batch_format: str) -> Any:
     return table.to_pandas() if batch_format == "pandas" else table
 
@@ -156,85 +135,93 @@ def apply_transform(
     table: pa.Table,
     spec: PipelineSpec,
     bad: dict[int, tuple[str, str]],
-    index: list[int],
-) -> list[pa.Table]:
+    index: np.ndarray,
+    offset: int = 0,
+) -> list[tuple[int, pa.Table]]:
     """Transform `table`; when it raises, bisect to the rows that make it raise and record
-    them in `bad` (keyed by `index`, their rows in the batch). Returns the good outputs."""
+    them in `bad` (keyed by `index`, their rows in the batch). Returns the good outputs, each
+    with the offset of its first row in `table`."""
     if table.num_rows == 0:
         return []
     try:
         out = _to_arrow(fn(_to_format(table, spec.batch_format), **spec.transform_kwargs))
     except Exception as error:  # noqa: BLE001 - any error of user code marks its rows
         if table.num_rows == 1:
-            bad[index[0]] = (f"transform raised {type(error).__name__}", str(error)[:500])
+            bad[int(index[0])] = (f"transform raised {type(error).__name__}", str(error)[:500])
             return []
         half = table.num_rows // 2
-        return apply_transform(fn, table.slice(0, half), spec, bad, index[:half]) + apply_transform(
-            fn, table.slice(half), spec, bad, index[half:]
-        )
+        return apply_transform(
+            fn, table.slice(0, half), spec, bad, index[:half], offset
+        ) + apply_transform(fn, table.slice(half), spec, bad, index[half:], offset + half)
     if out.num_rows != table.num_rows:
         raise TransformContractError(
             f"transform {spec.transform!r} returned {out.num_rows} rows for {table.num_rows}; "
             f"a transform must return one row per input row (filter with `filters`)"
         )
-    return [
-        out.append_column(SPLIT_COLUMN, split_of(table[spec.split_key], spec.eval_fraction))
-        if spec.split_key
-        else out
-    ]
+    return [(offset, out)]
 
 
 def prepare_batch(
     batch: pa.Table, spec: PipelineSpec, filesystem: pafs.FileSystem, quarantine_dir: str
 ) -> pa.Table:
     """One Ray Data batch: parse, validate, filter, transform and split; bad rows go to a
-    quarantine file, good rows come back with their split."""
+    quarantine file, good rows come back with their split column, eval rows first."""
     bad: dict[int, tuple[str, str]] = {}
     raw = batch
     if spec.format == "json":
         raw, bad = parse_json_lines(batch["text"].combine_chunks(), spec.schema)
     typed = validate(raw, spec, bad)
-    keep = pa.array([i not in bad for i in range(typed.num_rows)]) if bad else None
+    keep = np.ones(typed.num_rows, dtype=bool)
+    keep[list(bad)] = False
     for row_filter in spec.filters:
-        mask = pc.fill_null(row_filter.mask(typed), False)
-        keep = mask if keep is None else pc.and_(keep, mask)
-    positions = (
-        list(range(typed.num_rows))
-        if keep is None
-        else [int(i) for i in keep.to_numpy(zero_copy_only=False).nonzero()[0]]
+        keep &= pc.fill_null(row_filter.mask(typed), False).to_numpy(zero_copy_only=False)
+    is_eval = (
+        in_eval(typed[spec.split_key], spec.eval_fraction)
+        if spec.split_key
+        else np.zeros(typed.num_rows, dtype=bool)
     )
-    good = typed if keep is None else typed.take(pa.array(positions, pa.int64()))
+    # Eval rows first: each split is then one run of rows, which the sink writes uncopied.
+    positions = np.concatenate([np.flatnonzero(keep & is_eval), np.flatnonzero(keep & ~is_eval)])
+    in_order = len(positions) == typed.num_rows and not (is_eval[1:] > is_eval[:-1]).any()
+    good = typed if in_order else typed.take(pa.array(positions, pa.int64()))
+    good_eval = is_eval[positions]
     if spec.transform:
-        outputs = apply_transform(load_transform(spec.transform), good, spec, bad, positions)
-    elif good.num_rows:
-        outputs = [
-            good.append_column(SPLIT_COLUMN, split_of(good[spec.split_key], spec.eval_fraction))
-            if spec.split_key
-            else good
-        ]
+        fn = load_transform(spec.transform)
+        outputs = apply_transform(fn, good, spec, bad, positions)
     else:
-        outputs = []
+        outputs = [(0, good)] if good.num_rows else []
     if bad:
-        order = sorted(bad)
-        rows = (
-            batch["text"].take(order).to_pylist()
-            if spec.format == "json"
-            else [row_json(r) for r in batch.take(order).to_pylist()]
-        )
-        table = quarantine_table(None, [bad[i][0] for i in order], [bad[i][1] for i in order], rows)
-        # Named by content, so a retried Ray task rewrites its file instead of adding one.
-        digest = hashlib.sha256(str(batch.num_rows).encode())
-        for value in rows:
-            digest.update(value.encode())
-        write_quarantine(filesystem, quarantine_dir, table, "rows-" + digest.hexdigest()[:24])
+        _quarantine_rows(batch, spec, bad, filesystem, quarantine_dir)
     if not outputs:
-        return _empty_like(typed)
-    return pa.concat_tables(outputs, promote_options="default")
+        return typed.slice(0, 0).append_column(SPLIT_COLUMN, split_labels(good_eval[:0]))
+    return pa.concat_tables(
+        [
+            out.append_column(SPLIT_COLUMN, split_labels(good_eval[at : at + out.num_rows]))
+            for at, out in outputs
+        ],
+        promote_options="default",
+    )
 
 
-def _empty_like(typed: pa.Table) -> pa.Table:
-    # A batch without good rows: an empty table the writer skips.
-    return typed.slice(0, 0).append_column(SPLIT_COLUMN, pa.array([], pa.string()))
+def _quarantine_rows(
+    batch: pa.Table,
+    spec: PipelineSpec,
+    bad: dict[int, tuple[str, str]],
+    filesystem: pafs.FileSystem,
+    quarantine_dir: str,
+) -> None:
+    order = sorted(bad)
+    rows = (
+        batch["text"].take(order).to_pylist()
+        if spec.format == "json"
+        else [row_json(r) for r in batch.take(order).to_pylist()]
+    )
+    table = quarantine_table(None, [bad[i][0] for i in order], [bad[i][1] for i in order], rows)
+    # Named by content, so a retried Ray task rewrites its file instead of adding one.
+    digest = hashlib.sha256(str(batch.num_rows).encode())
+    for value in rows:
+        digest.update(value.encode())
+    write_quarantine(filesystem, quarantine_dir, table, "rows-" + digest.hexdigest()[:24])
 
 
 def read_dataset(filesystem: pafs.FileSystem, paths: list[str], spec: PipelineSpec):
@@ -337,14 +324,14 @@ def run_pipeline(
     eval/, quarantine/); the Ray Data driver is the calling process, where Ray is initialised.
     Files the per-file checks reject are left out of the read."""
     quarantine_dir = posixpath.join(staging, QUARANTINE_DIR)
-    data_dir = posixpath.join(staging, "_data")
     checked = start_checks(filesystem, paths, spec.format, spec.schema, quarantine_dir)
-    import ray.data  # noqa: F401 - loads (once per process) while the checks run
+    # Loads Ray Data (once per process) while the checks run.
+    from workloads.data.sink import SplitParquetSink
 
     checks = checked()
     paths = [c.path for c in checks if c.readable_by_pipeline]
     if paths:
-        dataset = read_dataset(filesystem, paths, spec).map_batches(
+        read_dataset(filesystem, paths, spec).map_batches(
             prepare_batch,
             batch_format="pyarrow",
             zero_copy_batch=True,
@@ -353,18 +340,9 @@ def run_pipeline(
                 "filesystem": output_filesystem,
                 "quarantine_dir": quarantine_dir,
             },
-        )
-        dataset.write_parquet(data_dir, filesystem=output_filesystem, partition_cols=[SPLIT_COLUMN])
+        ).write_datasink(SplitParquetSink(staging, output_filesystem))
     for split in SPLITS:
-        written = posixpath.join(data_dir, f"{SPLIT_COLUMN}={split}")
-        target = posixpath.join(staging, split)
-        if output_filesystem.get_file_info(written).type == pafs.FileType.Directory:
-            output_filesystem.move(written, target)
-        else:
-            output_filesystem.create_dir(target, recursive=True)
-    output_filesystem.delete_dir_contents(data_dir, missing_dir_ok=True)
-    if output_filesystem.get_file_info(data_dir).type == pafs.FileType.Directory:
-        output_filesystem.delete_dir(data_dir)
+        output_filesystem.create_dir(posixpath.join(staging, split), recursive=True)
     if not _parquet_files(output_filesystem, quarantine_dir):
         # An empty file keeps the folder readable as a (zero-row) quarantine table.
         output_filesystem.create_dir(quarantine_dir, recursive=True)
