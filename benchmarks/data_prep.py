@@ -1,10 +1,17 @@
-"""Data prep through the flow vs the equivalent raw Ray Data script, in one run.
+"""Data prep through the flow vs the equivalent raw Ray Data script, at two sizes, in one run.
 
 Both tokenize the same generated parquet dataset with workloads.transforms.tokenize_text on
-an embedded local Ray of the same size, timed end to end (Ray start included in both). The
-flow adds what the raw script lacks: fingerprinting, per-file checks, row validation and
-quarantine, the hash split, atomic publish, the asset and artifact. A local Prefect server
-is started first, outside the timing. Last line: one JSON object.
+an embedded local Ray of the same size, timed end to end (Ray start and shutdown included in
+both). The flow adds what the raw script lacks: fingerprinting, per-file checks, row
+validation and quarantine, the hash split, atomic publish, the asset and artifact. A local
+Prefect server is started first and each side runs once on a small dataset, all outside the
+timing, so that no round pays a process's first imports. Each round runs both sides, the
+order alternating round by round, so drift in machine load falls on both; medians over the
+rounds are reported, with the flow's time split at its prepare_dataset task run: before it
+(engine, plan and fingerprint, cache check), the task (Ray start, checks, pipeline, Ray
+shutdown: what the raw script does) and after it (verdict, publish, artifact, flow end).
+Last line: one JSON object, `rows`/`ratio` for --rows and `rows_10m`/`ratio_10m` for
+--large-rows.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 DEFAULT_ROWS = 2_000_000
+DEFAULT_LARGE_ROWS = 10_000_000
 DEFAULT_FILES = 8
+WARMUP_ROWS = 20_000
 MAX_LENGTH = 64
 TOKENIZE = "workloads.transforms:tokenize_text"
 
@@ -64,11 +73,11 @@ def run_raw(source: Path, output: Path, num_cpus: int) -> float:
     return time.perf_counter() - start
 
 
-def run_flow(source: Path, output: Path, num_cpus: int) -> tuple[float, dict]:
-    # Imports stay outside the timing, as `import ray` does for the raw script.
+def run_flow(source: Path, output: Path, num_cpus: int) -> tuple[dict[str, float], dict]:
+    """The flow's wall time, split at its prepare_dataset task run's start and end; and its
+    result."""
     from blocks import RayCluster
     from flows.data_prep import DataPrepParams, data_prep
-    from ray_runner import RayClusterTaskRunner  # noqa: F401
 
     params = DataPrepParams(
         source=str(source),
@@ -81,62 +90,113 @@ def run_flow(source: Path, output: Path, num_cpus: int) -> tuple[float, dict]:
         transform_batch_format="pyarrow",
     )
     start = time.perf_counter()
-    result = data_prep(params, ray_cluster=RayCluster(num_cpus=num_cpus))
-    return time.perf_counter() - start, result.model_dump()
+    began = time.time()
+    state = data_prep(params, ray_cluster=RayCluster(num_cpus=num_cpus), return_state=True)
+    elapsed = time.perf_counter() - start
+    result = state.result()
+    task_start, task_end = prepare_task_span(state.state_details.flow_run_id)
+    stages = {
+        "total": elapsed,
+        "before_prepare": task_start - began,
+        "prepare": task_end - task_start,
+        "after_prepare": began + elapsed - task_end,
+    }
+    return stages, result.model_dump()
+
+
+def prepare_task_span(flow_run_id, timeout: float = 20.0) -> tuple[float, float]:
+    """Start and end (epoch seconds) of the flow run's prepare_dataset task run; Prefect
+    records task runs from events, so they may land a moment after the flow returns."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
+            done = [r for r in runs if r.name.startswith("prepare_dataset") and r.end_time]
+            if done or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    (run,) = done
+    return run.start_time.timestamp(), run.end_time.timestamp()
+
+
+def output_rows(path: Path) -> int:
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in sorted(path.rglob("*.parquet")))
+
+
+def measure(work: Path, rows: int, args: argparse.Namespace) -> dict:
+    """Medians of `args.rounds` rounds of both sides on a dataset of `rows` rows."""
+    source = work / f"source-{rows}"
+    generate(source, rows, args.files)
+    raw_times: list[float] = []
+    flow_stages: dict[str, list[float]] = {}
+    for round_ in range(args.rounds):
+        for side in ("raw", "flow") if round_ % 2 == 0 else ("flow", "raw"):
+            # A fresh output each time: the same output would be a flow cache hit.
+            output = work / f"{side}-out"
+            if side == "raw":
+                raw_times.append(run_raw(source, output, args.num_cpus))
+                assert output_rows(output) == rows
+            else:
+                stages, result = run_flow(source, output, args.num_cpus)
+                assert result["rows_train"] + result["rows_eval"] == rows, result
+                assert not result["cache_hit"], result
+                for stage, seconds in stages.items():
+                    flow_stages.setdefault(stage, []).append(seconds)
+            shutil.rmtree(output)
+    shutil.rmtree(source)
+    print(
+        f"{rows} rows: raw_s {[round(t, 2) for t in raw_times]}, flow_s "
+        f"{ {k: [round(t, 2) for t in v] for k, v in flow_stages.items()} }",
+        file=sys.stderr,
+    )
+    raw_s = statistics.median(raw_times)
+    flow_s = statistics.median(flow_stages.pop("total"))
+    return {
+        "rows": rows,
+        "raw_s": round(raw_s, 2),
+        "flow_s": round(flow_s, 2),
+        "ratio": round(flow_s / raw_s, 3),
+        "rows_per_s": round(rows / flow_s),
+        "flow_stages_s": {k: round(statistics.median(v), 2) for k, v in flow_stages.items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", type=int, default=DEFAULT_ROWS)
+    parser.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="the reference size")
+    parser.add_argument(
+        "--large-rows",
+        type=int,
+        default=DEFAULT_LARGE_ROWS,
+        help="the large size, reported as rows_10m/ratio_10m (0: skip it)",
+    )
     parser.add_argument("--files", type=int, default=DEFAULT_FILES)
     parser.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2)
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="raw/flow pairs, order alternating; the medians are reported",
-    )
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of both sides (>= 3)")
     args = parser.parse_args(argv)
 
+    # Imports outside the timing, as `import ray` is for the raw script.
+    import flows.data_prep  # noqa: F401
     from benchmarks._prefect import prefect_api
 
     work = Path(tempfile.mkdtemp(prefix="bench-data-prep-"))
     try:
-        generate(work / "source", args.rows, args.files)
-        raw_times, flow_times = [], []
         with prefect_api():
-            for i in range(args.repeats):
-                for kind in ("raw", "flow") if i % 2 == 0 else ("flow", "raw"):
-                    if kind == "raw":
-                        raw_times.append(
-                            run_raw(work / "source", work / f"raw-out-{i}", args.num_cpus)
-                        )
-                        raw_rows = pq.read_table(work / f"raw-out-{i}", columns=["id"]).num_rows
-                        assert raw_rows == args.rows, (raw_rows, args.rows)
-                        continue
-                    # A fresh output each time: the same output would be a cache hit.
-                    flow_s, result = run_flow(
-                        work / "source", work / f"flow-out-{i}", args.num_cpus
-                    )
-                    flow_times.append(flow_s)
-                    flow_rows = result["rows_train"] + result["rows_eval"]
-                    assert flow_rows == args.rows and not result["cache_hit"], result
+            warmup = work / "warmup"
+            generate(warmup, WARMUP_ROWS, 2)
+            run_raw(warmup, work / "warmup-raw", args.num_cpus)
+            run_flow(warmup, work / "warmup-flow", args.num_cpus)
+            figures = measure(work, args.rows, args)
+            if args.large_rows:
+                large = measure(work, args.large_rows, args)
+                figures.update({f"{k}_10m": v for k, v in large.items()})
             from prefect.logging.handlers import APILogWorker
 
             APILogWorker.drain_all(timeout=5)  # before the server goes: its last logs go there
-        raw_s, flow_s = statistics.median(raw_times), statistics.median(flow_times)
-        print(f"raw_s: {raw_times} flow_s: {flow_times}", file=sys.stderr)
-        print(
-            json.dumps(
-                {
-                    "rows": args.rows,
-                    "raw_s": round(raw_s, 2),
-                    "flow_s": round(flow_s, 2),
-                    "ratio": round(flow_s / raw_s, 3),
-                    "rows_per_s": round(args.rows / flow_s),
-                }
-            )
-        )
+        print(json.dumps({**figures, "rounds": args.rounds, "statistic": "median"}))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

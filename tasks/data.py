@@ -157,7 +157,7 @@ def ray_job(cluster: RayCluster) -> Iterator[None]:
         return
     cluster.export_auth_token()
     kwargs = cluster.init_kwargs()
-    if flow_run_id:
+    if flow_run_id and not cluster.address.startswith("ray://"):  # Ray Client takes none
         kwargs["job_config"] = job_config(flow_run_id)
     ray_context = ray.init(cluster.ray_init_address, **kwargs)
     try:

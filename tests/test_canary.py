@@ -120,9 +120,37 @@ def test_router_config_round_trips():
             "candidate": {**TARGET, "app": "m-v2", "version": "2"},
             "candidate_weight": 0.1,
             "generation": 7,
+            "rollout": {"holder": "run-1", "stage": "canary", "version": "2", "started_at": 5.0},
         }
     )
     assert RouterConfig.parse(config.as_dict()) == config
+    baking = {
+        "live": {**TARGET, "app": "m-v2", "version": "2"},
+        "previous": TARGET,
+        "rollout": {"holder": "run-1", "stage": "bake", "version": "2"},
+    }
+    assert RouterConfig.parse(RouterConfig.parse(baking).as_dict()) == RouterConfig.parse(baking)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"live": TARGET, "candidate": {**TARGET, "version": "2"}}, "canary rollout record"),
+        (
+            {
+                "live": TARGET,
+                "candidate": {**TARGET, "version": "2"},
+                "rollout": {"holder": "r", "stage": "canary", "version": "3"},
+            },
+            "canary rollout record",
+        ),
+        ({"live": TARGET, "previous": TARGET}, "only during a bake"),
+        ({"live": TARGET, "rollout": {"holder": "r", "stage": "soak", "version": "1"}}, "stage"),
+    ],
+)
+def test_a_candidate_or_previous_without_its_rollout_record_is_refused(config, message):
+    with pytest.raises(ValueError, match=message):
+        RouterConfig.parse(config)
 
 
 def test_a_target_kind_names_its_deployment_and_old_configs_still_parse():

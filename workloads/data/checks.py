@@ -149,8 +149,9 @@ def start_checks(
     in path order."""
     import ray  # only where Ray is initialised; the flow process plans without it
 
+    # Two groups of files per CPU: files of uneven sizes still spread over every CPU.
     tasks = max(1, min(len(paths), int(ray.cluster_resources().get("CPU", 1)) * 2))
-    check = ray.remote(max_retries=2)(_check_group)
+    check = ray.remote(_check_group)
     refs = [
         check.remote(filesystem, paths[i::tasks], file_format, schema, quarantine_dir)
         for i in range(tasks)

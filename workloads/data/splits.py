@@ -51,16 +51,14 @@ def split_runs(table: pa.Table) -> Iterator[tuple[str, pa.Table]]:
         return
     column = table[SPLIT_COLUMN]
     data = table.drop_columns([SPLIT_COLUMN])
-    # Each chunk's indices point into its own dictionary.
-    flags = np.concatenate(
-        [
-            np.array([v == SPLITS[1] for v in chunk.dictionary.to_pylist()], dtype=bool)[
-                chunk.indices.to_numpy(zero_copy_only=False)
-            ]
-            for chunk in column.chunks
-            if len(chunk)
-        ]
-    )
+    flags = np.concatenate([_eval_flags(chunk) for chunk in column.chunks if len(chunk)])
     bounds = np.concatenate([[0], np.flatnonzero(flags[1:] != flags[:-1]) + 1, [len(flags)]])
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         yield SPLITS[int(flags[start])], data.slice(int(start), int(end - start))
+
+
+def _eval_flags(chunk: pa.Array) -> np.ndarray:
+    if pa.types.is_dictionary(chunk.type):  # as split_labels made it: indices into SPLITS
+        names = np.array([v == SPLITS[1] for v in chunk.dictionary.to_pylist()], dtype=bool)
+        return names[chunk.indices.to_numpy(zero_copy_only=False)]
+    return pc.equal(chunk, SPLITS[1]).to_numpy(zero_copy_only=False)  # decoded on the way
