@@ -47,9 +47,13 @@ $(LLM_STAMP): constraints/llm.txt $(CONSTRAINTS)
 demo: install
 	$(BIN)/python -m deployments.demo
 
+# Test modules run whole on TEST_WORKERS pytest-xdist workers, each with its own services
+# (TEST_WORKERS=0: one process, one set of services).
+TEST_WORKERS ?= 2
+
 test: install llm-venv lint
 	# A missing .venv-llm fails the LLM tests here instead of skipping them.
-	RLT_REQUIRE_LLM=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+	RLT_REQUIRE_LLM=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Style, formatting and the layering contracts in pyproject.toml ([tool.importlinter]).
 lint: install

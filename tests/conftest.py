@@ -25,10 +25,16 @@ REQUIRE_LLM_ENV = "RLT_REQUIRE_LLM"
 SERVICE_FIXTURES = {"stack", "prefect_api"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if SERVICE_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.services)
+        # Under `pytest -n N --dist loadgroup` (make test) a module runs whole on one worker,
+        # which has its own services; the vLLM modules share one worker, so that no two vLLM
+        # engines load at once.
+        group = "llm" if item.get_closest_marker("llm") else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(tryfirst=True)
