@@ -4,9 +4,10 @@ forwarding by DeploymentHandle) versus straight to the app over HTTP, in the sam
 Starts an embedded local Ray (or joins --address), deploys workloads.llm with a route
 (replicas under .venv-llm) and a router whose live target is that app, then sends --requests
 completions of --max-tokens tokens each, --concurrency at a time (ignore_eos, so every request
-generates exactly that many), alternating router and direct for --rounds rounds. The model is
-a folder given with --model, else the tiny Llama built locally. A few requests warm each path
-first, outside the timing. Last line: one JSON object.
+generates exactly that many), then --ttft-requests streamed ones one at a time for the time to
+first token, for --rounds rounds with the order of router and direct alternating; medians. The
+model is a folder given with --model, else the tiny Llama built locally. A few requests warm
+each path first, outside the timing. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -57,18 +58,24 @@ def app_args(model: str, device: str, max_model_len: int, python: str | None) ->
     }
 
 
-async def load(url: str, requests: int, concurrency: int, max_tokens: int) -> dict:
-    """Completions at `url` (.../v1/completions), `concurrency` at a time: wall time, tokens,
-    and each request's latency in ms."""
-    import httpx
-
-    body = {
+def completion(max_tokens: int, stream: bool = False) -> dict:
+    """A completion that generates exactly `max_tokens` tokens (ignore_eos)."""
+    return {
         "model": SERVED_NAME,
         "prompt": PROMPT,
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "temperature": 0,
+        "stream": stream,
     }
+
+
+async def load(url: str, requests: int, concurrency: int, max_tokens: int) -> dict:
+    """Completions at `url` (.../v1/completions), `concurrency` at a time: wall time, tokens,
+    and each request's latency in ms."""
+    import httpx
+
+    body = completion(max_tokens)
     latencies: list[float] = []
     tokens = 0
     gate = asyncio.Semaphore(concurrency)
@@ -95,6 +102,28 @@ async def load(url: str, requests: int, concurrency: int, max_tokens: int) -> di
     return {"wall_s": wall, "tokens": tokens, "latencies_ms": latencies}
 
 
+async def first_token_ms(url: str, requests: int, max_tokens: int) -> list[float]:
+    """Streamed completions at `url`, one at a time: ms from sending each until its first
+    chunk of generated text arrives (time to first token)."""
+    import httpx
+
+    body = completion(max_tokens, stream=True)
+    waits: list[float] = []
+    async with httpx.AsyncClient(timeout=120) as client:
+        for _ in range(requests):
+            start = time.perf_counter()
+            async with client.stream("POST", url, json=body) as response:
+                response.raise_for_status()
+                first = None
+                async for line in response.aiter_lines():  # read to the end: one at a time
+                    if first is None and line.startswith("data: ") and '"text"' in line:
+                        first = (time.perf_counter() - start) * 1000
+                if first is None:
+                    raise RuntimeError(f"{url} streamed no text")
+                waits.append(first)
+    return waits
+
+
 def summarize(run: dict) -> dict:
     latencies = sorted(run["latencies_ms"])
     p99_index = min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))
@@ -105,6 +134,17 @@ def summarize(run: dict) -> dict:
         "requests": len(latencies),
         "tokens": run["tokens"],
         "wall_s": round(run["wall_s"], 2),
+    }
+
+
+def summarize_rounds(runs: list[dict], ttft_ms: list[float]) -> dict:
+    """Medians over the rounds (tokens/s) and over every request (latency, TTFT)."""
+    merged = summarize(merge(runs))
+    return {
+        **merged,
+        "tokens_per_s": round(statistics.median(summarize(r)["tokens_per_s"] for r in runs), 1),
+        "rounds_tokens_per_s": [summarize(r)["tokens_per_s"] for r in runs],
+        "ttft_ms": round(statistics.median(ttft_ms), 1),
     }
 
 
@@ -132,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         default=4,
         help="logical CPUs of the local Ray (oversubscribed on purpose)",
     )
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of both sides (>= 3)")
+    parser.add_argument(
+        "--ttft-requests", type=int, default=8, help="streamed requests per side and round"
+    )
     args = parser.parse_args(argv)
 
     from ray import serve
@@ -174,20 +217,20 @@ def main(argv: list[str] | None = None) -> int:
                 serve_control.wait_router(ROUTER_ROUTE, 0, timeout_s=120)
                 base = f"http://{local.HOST}:{http_port}"
                 runs: dict[str, list[dict]] = {"router": [], "direct": []}
-                for _ in range(args.rounds):
-                    for side, prefix in (("router", f"/{ROUTER_ROUTE}"), ("direct", ROUTE)):
+                ttft: dict[str, list[float]] = {"router": [], "direct": []}
+                paths = {"router": f"/{ROUTER_ROUTE}", "direct": ROUTE}
+                for round_ in range(args.rounds):
+                    # The order alternates round by round, so drift in load falls on both.
+                    for side in ("router", "direct") if round_ % 2 == 0 else ("direct", "router"):
+                        url = f"{base}{paths[side]}/v1/completions"
                         runs[side].append(
-                            asyncio.run(
-                                load(
-                                    f"{base}{prefix}/v1/completions",
-                                    args.requests,
-                                    args.concurrency,
-                                    args.max_tokens,
-                                )
-                            )
+                            asyncio.run(load(url, args.requests, args.concurrency, args.max_tokens))
                         )
-                direct = summarize(merge(runs["direct"]))
-                routed = summarize(merge(runs["router"]))
+                        ttft[side] += asyncio.run(
+                            first_token_ms(url, args.ttft_requests, args.max_tokens)
+                        )
+                direct = summarize_rounds(runs["direct"], ttft["direct"])
+                routed = summarize_rounds(runs["router"], ttft["router"])
             finally:
                 serve_control.apply(deletes={serve_control.router_app_name(ROUTER_ROUTE)})
                 serve.delete(APP_NAME)
@@ -212,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
                 "p99_ms": routed["p99_ms"],
                 "direct_p50_ms": direct["p50_ms"],
                 "direct_p99_ms": direct["p99_ms"],
+                "ttft_ms": routed["ttft_ms"],
+                "direct_ttft_ms": direct["ttft_ms"],
+                "ttft_ratio": round(routed["ttft_ms"] / direct["ttft_ms"], 3),
+                "rounds": args.rounds,
+                "statistic": "median",
             }
         )
     )

@@ -95,7 +95,7 @@ def run(stack: Any, moves: int, lease_s: float) -> dict[str, Any]:
         found = registry.resolve_alias(client, MODEL, registry.LIVE)
         return found.version if found else None
 
-    to_start, to_live = [], []
+    to_created, to_start, to_live = [], [], []
     with (
         deployed(stack, parameters={RECONCILE: fast, "serve-rollout/serve-rollout": fast}),
         get_client(sync_client=True) as prefect,
@@ -112,6 +112,7 @@ def run(stack: Any, moves: int, lease_s: float) -> dict[str, Any]:
                 timeout=300,
             )
             if version != "1":  # the first move restores an empty route: not a promotion
+                to_created.append(reconcile.created.timestamp() - moved)  # the trigger fired
                 to_start.append(reconcile.start_time.timestamp() - moved)
                 to_live.append(went_live - moved)
 
@@ -148,6 +149,7 @@ def run(stack: Any, moves: int, lease_s: float) -> dict[str, Any]:
         "lease_s": lease_s,
         "moves": len(to_start),
         "alias_to_run_start_all_s": [round(t, 2) for t in to_start],
+        "alias_to_run_created_s": round(statistics.median(to_created), 2),
         "crash_requests": len(traffic.answers),
     }
 

@@ -3,9 +3,13 @@ on a GCS address, and the flow run's log says what Ray Client cannot carry."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+import urllib.request
+import uuid
 
+import pytest
 from prefect.states import StateType
 
 from blocks import RayCluster
@@ -51,3 +55,96 @@ def test_the_smoke_flow_over_ray_client_records_its_task_runs_and_says_what_it_l
     # ... and the flow run says, once, what Ray Client cannot carry.
     warnings = [log for log in logs if log.task_run_id is None and RAY_CLIENT_LIMITS in log.message]
     assert [log.level for log in warnings] == [logging.WARNING]
+
+
+def client_cluster(stack) -> RayCluster:
+    return RayCluster(
+        address=stack.ray_client_address, auth_token=stack.ray_token, serve_port=stack.serve_port
+    )
+
+
+@pytest.mark.slow
+def test_a_sweep_over_ray_client_runs_its_trials_on_the_cluster_and_returns_a_checkpoint(
+    stack, tmp_path
+):
+    from flows.tune_sweep import tune_sweep
+    from tasks.tune_config import SweepConfig
+    from workloads import rllib
+
+    result = tune_sweep(
+        sweep=SweepConfig(
+            num_samples=2,
+            hyperparameters={
+                "train_batch_size_per_learner": 256,
+                "minibatch_size": 64,
+                "num_epochs": 2,
+            },
+            scheduler={"kind": "fifo"},
+            stop={"training_iterations": 2, "env_steps": None, "episode_return": None},
+        ),
+        ray_cluster=client_cluster(stack),
+        storage_root=str(tmp_path),  # the head and this process share the machine here
+        evaluation_episodes=2,
+    )
+    assert [t.status for t in result.trials] == ["TERMINATED", "TERMINATED"]
+    assert {t.iterations for t in result.trials} == {2}
+    module = rllib.load_policy(result.checkpoint_path)  # the best checkpoint acts
+    assert rllib.greedy_action(module, [0.0, 0.0, 0.0, 0.0]) in (0, 1)
+
+
+@pytest.mark.slow
+def test_a_rollout_over_ray_client_serves_the_version_through_the_gates(stack, checkpoints):
+    from mlflow import MlflowClient
+
+    from blocks import MLflowServer
+    from deployments.load import OBSERVATION
+    from flows.rollout import serve_rollout
+    from tasks.serve_config import Gates, Serving
+    from workloads import registry, serve_control
+
+    route, name = "client-test", f"client-{uuid.uuid4().hex[:6]}"
+    client = MlflowClient(stack.mlflow_uri)
+    for trial in range(2):
+        registry.register_checkpoint(
+            client,
+            name=name,
+            checkpoint=checkpoints["good"],
+            experiment_name="ray-client-tests",
+            trial_key_value=f"{name}-{trial}",
+            observation_size=4,
+        )
+    common = dict(
+        model_name=name,
+        route=route,
+        gates=Gates(
+            health_timeout_s=120,
+            stability_window_s=3,
+            canary_steps=[0.5],
+            canary_hold_s=3,
+            bake_s=3,
+            bake_window_s=2,
+        ),
+        serving=Serving(
+            num_cpus=0.1, router_num_cpus=0.1, health_check_period_s=1, health_check_timeout_s=5
+        ),
+        ray_cluster=client_cluster(stack),
+        mlflow_server=MLflowServer(tracking_uri=stack.mlflow_uri),
+    )
+    try:
+        first = serve_rollout(version="1", **common)
+        second = serve_rollout(version="2", **common)
+        assert (first.outcome, second.outcome) == ("first_rollout", "promoted")
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{stack.serve_port}/{route}",
+            data=json.dumps({"observation": OBSERVATION}).encode(),
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.headers["X-Model-Version"] == "2"
+        assert registry.resolve_alias(client, name, registry.LIVE).version == "2"
+    finally:
+        cluster = stack.ray_cluster()
+        with cluster.connect():
+            serve_control.start(cluster.serve_host, cluster.serve_port)
+            serve_control.delete_route(route, name)
+        client.delete_registered_model(name)
