@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=500_000)
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument(
-        "--rounds", type=int, default=2, help="rounds; each layout goes first in every other one"
+        "--rounds", type=int, default=3, help="rounds (>= 3); layouts alternate first"
     )
     parser.add_argument("--no-client", action="store_true", help="skip the ray:// sweep")
     args = parser.parse_args(argv)

@@ -231,7 +231,9 @@ def worker_env(client_env: dict[str, str]) -> dict[str, str]:
     """A worker's environment: the services, and this checkout for prefect.yaml's pull step.
     Flow runs inherit it."""
     env = {**os.environ, **client_env, "PREFECT_RAY_LIFECYCLE_DIR": str(PROJECT_ROOT)}
-    env.setdefault("PREFECT_WORKER_QUERY_SECONDS", "5")
+    # A triggered run waits for the worker's next poll: poll each second (Prefect's default
+    # is 10 s), a trivial load on a local server.
+    env.setdefault("PREFECT_WORKER_QUERY_SECONDS", "1")
     return env
 
 

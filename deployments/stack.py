@@ -126,7 +126,7 @@ def environment(stack: Stack, routes: tuple[str, ...] = ("policy",)) -> setup.En
         serve_port=stack.serve_port,
         routes=routes,
         receiver_url=stack.webhook_url,
-        client_env={**stack.client_env(), "PREFECT_WORKER_QUERY_SECONDS": "2"},
+        client_env={**stack.client_env(), "PREFECT_WORKER_QUERY_SECONDS": "1"},
     )
 
 
