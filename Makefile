@@ -9,7 +9,7 @@ CONSTRAINTS ?= constraints/cpu.txt
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
 
-.PHONY: install llm-venv demo test lint up down status clean
+.PHONY: install llm-venv venvs demo test lint up down status clean
 
 install: $(STAMP)
 
@@ -51,7 +51,11 @@ demo: install
 # (TEST_WORKERS=0: one process, one set of services).
 TEST_WORKERS ?= 2
 
-test: install llm-venv lint
+# Both venvs, installed side by side.
+venvs:
+	$(MAKE) -j2 install llm-venv
+
+test: venvs lint
 	# A missing .venv-llm fails the LLM tests here instead of skipping them.
 	RLT_REQUIRE_LLM=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 

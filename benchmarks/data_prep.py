@@ -73,13 +73,11 @@ def run_raw(source: Path, output: Path, num_cpus: int) -> float:
     return time.perf_counter() - start
 
 
-def run_flow(source: Path, output: Path, num_cpus: int) -> tuple[dict[str, float], dict]:
-    """The flow's wall time, split at its prepare_dataset task run's start and end; and its
-    result."""
-    from blocks import RayCluster
-    from flows.data_prep import DataPrepParams, data_prep
+def flow_params(source: Path, output: Path):
+    """The flow's parameters for the generated dataset: the raw script's work, as a flow."""
+    from flows.data_prep import DataPrepParams
 
-    params = DataPrepParams(
+    return DataPrepParams(
         source=str(source),
         output=str(output),
         split_key="id",
@@ -89,6 +87,15 @@ def run_flow(source: Path, output: Path, num_cpus: int) -> tuple[dict[str, float
         transform_kwargs={"max_length": MAX_LENGTH},
         transform_batch_format="pyarrow",
     )
+
+
+def run_flow(source: Path, output: Path, num_cpus: int) -> tuple[dict[str, float], dict]:
+    """The flow's wall time, split at its prepare_dataset task run's start and end; and its
+    result."""
+    from blocks import RayCluster
+    from flows.data_prep import data_prep
+
+    params = flow_params(source, output)
     start = time.perf_counter()
     began = time.time()
     state = data_prep(params, ray_cluster=RayCluster(num_cpus=num_cpus), return_state=True)
@@ -110,15 +117,15 @@ def prepare_task_span(flow_run_id, timeout: float = 20.0) -> tuple[float, float]
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter
 
-    deadline = time.monotonic() + timeout
+    from deployments.watch import wait_for
+
     with get_client(sync_client=True) as client:
-        while True:
+
+        def finished() -> list:
             runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
-            done = [r for r in runs if r.name.startswith("prepare_dataset") and r.end_time]
-            if done or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-    (run,) = done
+            return [r for r in runs if r.name.startswith("prepare_dataset") and r.end_time]
+
+        (run,) = wait_for("the prepare_dataset task run is recorded", finished, timeout, 0.5)
     return run.start_time.timestamp(), run.end_time.timestamp()
 
 

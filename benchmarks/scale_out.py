@@ -84,20 +84,12 @@ def sweep(block: dict, storage: Path, iterations: int) -> float:
 
 
 def prep(block: dict, source: Path, output: Path, rows: int) -> float:
-    from benchmarks.data_prep import MAX_LENGTH, TOKENIZE
+    from benchmarks.data_prep import flow_params
     from blocks import RayCluster
-    from flows.data_prep import DataPrepParams, data_prep
+    from flows.data_prep import data_prep
 
-    params = DataPrepParams(
-        source=str(source),
-        output=str(output),  # a fresh output each time: the same output would be a cache hit
-        split_key="id",
-        expected_schema={"id": "int64", "text": "string", "score": "float64"},
-        required_columns=["text"],
-        transform=TOKENIZE,
-        transform_kwargs={"max_length": MAX_LENGTH},
-        transform_batch_format="pyarrow",
-    )
+    # A fresh output each time: the same output would be a cache hit.
+    params = flow_params(source, output)
     start = time.perf_counter()
     result = data_prep(params, ray_cluster=RayCluster(**block))
     elapsed = time.perf_counter() - start

@@ -212,7 +212,9 @@ def test_a_node_lost_mid_sweep_has_its_trials_retried_on_the_head(
         m for m in markers(made) if m["at"] >= killed_at and "runtime_resources" in m["module"]
     ]
     assert {m["ppid"] for m in before if "runtime_resources" in m["module"]} == {node2}
-    assert len({m["pid"] for m in after}) == 2  # each trial again, in a new actor
+    # Each trial still running at the kill runs again, in a new actor (under load one of the
+    # two may have finished on the second node just before it).
+    assert 1 <= len({m["pid"] for m in after}) <= 2
     assert all(m["ppid"] != node2 and local.process_running(m["ppid"]) for m in after)
     run = prefect_client.read_flow_run(result.metrics["flow_run_id"])
     assert run.state.is_completed()

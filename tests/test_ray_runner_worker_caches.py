@@ -91,7 +91,15 @@ def test_flow_runs_on_two_apis_sharing_a_ray_worker_record_each_in_its_own(stack
                 )
                 runs.append((api, state.state_details.flow_run_id, state.result()))
 
-    assert len({pid for _, _, seen in runs for pid, _ in seen}) == 1, "no worker was shared"
+    # Ray may start a second worker for the job under load; what matters is that a worker
+    # served task runs of both APIs, one after the other.
+    apis_by_worker: dict[int, set[str]] = {}
+    for _, _, seen in runs:
+        for pid, api in seen:
+            apis_by_worker.setdefault(pid, set()).add(api)
+    assert any(len(apis) == 2 for apis in apis_by_worker.values()), (
+        f"no worker served both APIs: {apis_by_worker}"
+    )
     assert [[api for _, api in seen] for _, _, seen in runs] == [[api, api] for api, _, _ in runs]
     first, other, again = (flow_run_id for _, flow_run_id, _ in runs)
     # Each API holds the task runs of its own flow runs, completed, and none of the other's.

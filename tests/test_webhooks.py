@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from http_fuzz import JSON_VALUES, PRINTABLE, mostly
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from mlflow import MlflowClient
@@ -28,6 +29,7 @@ from starlette.testclient import TestClient
 from blocks import MLflowWebhook
 from blocks.mlflow_webhook import DEFAULT_EVENTS
 from deployments import local, receiver, setup
+from deployments.stack import environment as stack_environment
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -38,17 +40,6 @@ TRIGGERED_MODEL = "cartpole-ppo"  # the model prefect.yaml's reconcile trigger w
 pytestmark = pytest.mark.slow
 
 
-def environment(stack) -> setup.Environment:
-    return setup.Environment(
-        ray_address=stack.ray_address,
-        mlflow_uri=stack.mlflow_uri,
-        ray_token=stack.ray_token,
-        ray_dashboard_url=stack.ray_dashboard_url,
-        serve_port=stack.serve_port,
-        receiver_url=stack.webhook_url,
-    )
-
-
 def our_webhooks(client: MlflowClient, name: str) -> list:
     return [hook for hook in client.list_webhooks(max_results=1000) if hook.name == name]
 
@@ -57,7 +48,7 @@ def our_webhooks(client: MlflowClient, name: str) -> list:
 def webhook(stack):
     """The MLflowWebhook block and MLflow's webhook, as `deployments.setup` makes them; the
     webhook is deleted afterwards so later modules' alias moves stay quiet."""
-    setup.ensure_webhook(environment(stack))
+    setup.ensure_webhook(stack_environment(stack))
     block = MLflowWebhook.load(setup.BLOCK_NAME)
     yield block
     client = MlflowClient(stack.mlflow_uri)
@@ -247,35 +238,20 @@ def in_process(prefect_api):
         yield client, block
 
 
-def _mostly(usual: st.SearchStrategy, odd: st.SearchStrategy) -> st.SearchStrategy:
-    """`usual` about four times in five, so most examples get deep into the checks."""
-    return st.floats(0, 1).flatmap(lambda share: odd if share > 0.8 else usual)
-
-
-_PRINTABLE = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=40)
-_JSON = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(), children),
-    max_leaves=40,
-)
 _NEAR_VALID = st.fixed_dictionaries(
     {
-        "entity": _mostly(st.sampled_from(["model_version_alias", "model_version"]), _JSON),
-        "action": _mostly(st.sampled_from(["created", "deleted"]), _JSON),
-        "timestamp": _mostly(st.just("2026-01-01T00:00:00+00:00"), _JSON),
-        "data": _mostly(
+        "entity": mostly(st.sampled_from(["model_version_alias", "model_version"]), JSON_VALUES),
+        "action": mostly(st.sampled_from(["created", "deleted"]), JSON_VALUES),
+        "timestamp": mostly(st.just("2026-01-01T00:00:00+00:00"), JSON_VALUES),
+        "data": mostly(
             st.fixed_dictionaries(
-                {"name": _mostly(st.text(min_size=1, max_size=40), _JSON)},
+                {"name": mostly(st.text(min_size=1, max_size=40), JSON_VALUES)},
                 optional={
-                    "alias": _mostly(st.text(max_size=40), _JSON),
-                    "version": _mostly(st.integers(1, 10**6).map(str), _JSON),
+                    "alias": mostly(st.text(max_size=40), JSON_VALUES),
+                    "version": mostly(st.integers(1, 10**6).map(str), JSON_VALUES),
                 },
             ),
-            _JSON,
+            JSON_VALUES,
         ),
     }
 )
@@ -290,9 +266,9 @@ _NASTY = st.sampled_from(
         b"",
     ]
 )
-_BODIES = _mostly(
+_BODIES = mostly(
     _NEAR_VALID.map(lambda value: json.dumps(value).encode()),
-    st.binary(max_size=2000) | _JSON.map(lambda value: json.dumps(value).encode()) | _NASTY,
+    st.binary(max_size=2000) | JSON_VALUES.map(lambda value: json.dumps(value).encode()) | _NASTY,
 )
 
 
@@ -302,19 +278,19 @@ _BODIES = _mostly(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(
-    method=_mostly(st.just("POST"), st.sampled_from(["GET", "PUT", "DELETE", "PATCH"])),
-    path=_mostly(
-        st.just("/mlflow"), st.sampled_from(["/health", "/"]) | _PRINTABLE.map("/x/".__add__)
+    method=mostly(st.just("POST"), st.sampled_from(["GET", "PUT", "DELETE", "PATCH"])),
+    path=mostly(
+        st.just("/mlflow"), st.sampled_from(["/health", "/"]) | PRINTABLE.map("/x/".__add__)
     ),
     body=_BODIES,
-    signature=_mostly(st.just("right"), st.sampled_from(["wrong", "missing"]) | _PRINTABLE),
-    timestamp=_mostly(
+    signature=mostly(st.just("right"), st.sampled_from(["wrong", "missing"]) | PRINTABLE),
+    timestamp=mostly(
         st.just("now"),
         st.sampled_from(["missing", "1e9", "99999999999999999999"])
         | st.integers(-(10**12), 10**12).map(str),
     ),
-    delivery_id=_mostly(st.just("fresh"), st.sampled_from(["missing", ""]) | _PRINTABLE),
-    content_type=_mostly(st.just("application/json"), st.just("missing") | _PRINTABLE),
+    delivery_id=mostly(st.just("fresh"), st.sampled_from(["missing", ""]) | PRINTABLE),
+    content_type=mostly(st.just("application/json"), st.just("missing") | PRINTABLE),
 )
 def test_the_receiver_never_answers_5xx_to_bad_input(
     in_process, method, path, body, signature, timestamp, delivery_id, content_type
@@ -378,7 +354,7 @@ def test_a_rotated_secret_is_picked_up_without_a_restart(prefect_client):
 def test_setup_keeps_one_webhook_and_deploy_creates_the_reconcile_trigger(
     stack, webhook, prefect_client
 ):
-    env = environment(stack)
+    env = stack_environment(stack)
     assert setup.ensure_webhook(env) == setup.ensure_webhook(env)  # idempotent
     client = MlflowClient(stack.mlflow_uri)
     (hook,) = our_webhooks(client, webhook.webhook_name)
