@@ -119,6 +119,26 @@ def summary_of(client, flow_run_id: str) -> str:
     return next((a.description or "" for a in artifacts if a.key == "train-and-ship"), "")
 
 
+def chart_urls(mlflow_url: str, model_name: str, version: str) -> list[str]:
+    """The version's charts on its MLflow run (the sweep's, each rollout's), as URLs."""
+    from mlflow import MlflowClient
+
+    from blocks import MLflowServer
+    from tasks.charts import artifact_url
+
+    client = MlflowClient(mlflow_url)
+    run_id = client.get_model_version(model_name, version).run_id
+    if not run_id:
+        return []
+    server = MLflowServer(tracking_uri=mlflow_url)
+    return [
+        artifact_url(server, run_id, found.path)
+        for folder in ("charts", "rollouts")
+        for found in client.list_artifacts(run_id, folder)
+        if found.path.endswith(".png")
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m deployments.demo",
@@ -210,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     walked = lineage.walk(route_url, MODEL_NAME, mlflow_url)
     registered = re.search(r" v(\d+):", outcome)  # "<model> v<N>: <why shipped or not>"
     version = registered.group(1) if registered else walked["served"]["version"]
+    charts = "".join(
+        f"  Chart              {url}\n" for url in chart_urls(mlflow_url, MODEL_NAME, version)
+    )
     body = json.dumps({"observation": OBSERVATIONS[0]})
     flag = "" if state_dir == local.DEFAULT_STATE_DIR.resolve() else f" --state-dir {state_dir}"
     print(f"""
@@ -225,10 +248,12 @@ its answer:
 Where to look:
   Prefect flow run   {flow_run_url}
   MLflow version     {mlflow_url}/#/models/{MODEL_NAME}/versions/{version}
-  Ray dashboard      http://127.0.0.1:{local.RAY_DASHBOARD_PORT} (Serve tab: apps and replicas)
+{charts}  Ray dashboard      http://127.0.0.1:{local.RAY_DASHBOARD_PORT} (Serve tab: apps and \
+replicas)
   Try the endpoint   curl -si -XPOST {route_url} -H 'content-type: application/json' \
 -d '{body}'
   Lineage            python -m deployments.lineage --url {route_url}
+  The route now      python -m deployments.status --url {route_url}
   Deployments        {prefect_url}/deployments (schedules are off: \
 python -m deployments.setup --schedules on)
 Stop everything: python -m deployments.setup{flag} --worker stop && \

@@ -1,10 +1,12 @@
 """Walk from a served answer back to the sweep that made it.
 
     python -m deployments.lineage [--url http://127.0.0.1:8000/policy] [--model cartpole-ppo]
+                                  [--version 3]
 
-One request to the route gives X-Model-Version; the MLflow version's lifecycle.* tags give
-the Prefect runs (pipeline, registration, sweep, rollout), the Tune experiment and trial, the
-git commit and the dataset fingerprint when there was one. Prints one JSON object.
+One request to the route gives X-Model-Version (or --version names one without asking); the
+MLflow version's lifecycle.* tags give the Prefect runs (pipeline, registration, sweep,
+rollout), the Tune experiment and trial, the git commit and the dataset fingerprint when there
+was one. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from tasks.params import model_version
 from workloads.constants import VERSION_HEADER
 
 DEFAULT_OBSERVATION = [0.01, -0.02, 0.03, 0.04]  # a CartPole observation
@@ -43,13 +46,15 @@ def ask(url: str, observation: list[float] = DEFAULT_OBSERVATION) -> dict[str, A
     return {"status": status, "version": headers.get(VERSION_HEADER), "answer": answer}
 
 
-def walk(url: str, model_name: str, tracking_uri: str) -> dict[str, Any]:
+def walk(
+    url: str, model_name: str, tracking_uri: str, version: str | None = None
+) -> dict[str, Any]:
     from mlflow import MlflowClient
 
     from workloads import registry
 
-    served = ask(url)
-    version = served["version"]
+    served = ask(url) if version is None else None
+    version = served["version"] if version is None else version
     if not version:
         return {"url": url, "served": served, "error": "the answer has no X-Model-Version"}
     client = MlflowClient(tracking_uri)
@@ -86,6 +91,13 @@ def walk(url: str, model_name: str, tracking_uri: str) -> dict[str, Any]:
     }
 
 
+def _version(text: str) -> str:
+    try:
+        return model_version(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m deployments.lineage",
@@ -97,8 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mlflow-uri", default=os.environ.get("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     )
+    parser.add_argument(
+        "--version",
+        type=_version,
+        help="walk back from this version (a number) instead of the one the route serves",
+    )
     args = parser.parse_args(argv)
-    print(json.dumps(walk(args.url, args.model, args.mlflow_uri), indent=2))
+    print(json.dumps(walk(args.url, args.model, args.mlflow_uri, args.version), indent=2))
     return 0
 
 

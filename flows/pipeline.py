@@ -32,6 +32,7 @@ from flows.register import (
 from flows.rollout import RolloutResult, serve_rollout
 from flows.tune_sweep import tune_sweep
 from tasks import lineage
+from tasks.params import Text
 from tasks.register import EvaluationSummary, mlflow_task
 from tasks.serve_config import Gates, Serving
 from tasks.tune_config import DEFAULT_STORAGE_ROOT, StopConditions, SweepConfig
@@ -129,8 +130,8 @@ def rollout_decision(
 
 @flow(name="train-and-ship", log_prints=True)
 def train_and_ship(
-    model_name: str = DEFAULT_MODEL_NAME,
-    route: str = "policy",
+    model_name: Text = DEFAULT_MODEL_NAME,
+    route: Text = "policy",
     sweep: SweepConfig = DEFAULT_SWEEP,
     evaluation_episodes: Annotated[int, Field(ge=1, le=1000)] = 10,
     margin: Annotated[float, Field(ge=0)] = 0.0,
@@ -138,8 +139,8 @@ def train_and_ship(
     gates: Gates | None = None,
     serving: Serving | None = None,
     data: DataPrepParams | None = None,
-    storage_root: str = DEFAULT_STORAGE_ROOT,
-    mlflow_experiment: str = DEFAULT_MLFLOW_EXPERIMENT,
+    storage_root: Text = DEFAULT_STORAGE_ROOT,
+    mlflow_experiment: Text = DEFAULT_MLFLOW_EXPERIMENT,
     ray_cluster: RayCluster | None = None,
     mlflow_server: MLflowServer | None = None,
 ) -> PipelineResult:
@@ -222,6 +223,7 @@ def train_and_ship(
             },
             trials=[t.model_dump() for t in swept.trials],
             dataset_fingerprint=dataset.fingerprint if dataset else None,
+            sweep_chart=swept.chart_path,
         ),
         mlflow_server=server,
         margin=margin,

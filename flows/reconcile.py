@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field
 from blocks import MLflowServer, RayCluster
 from flows.register import DEFAULT_MODEL_NAME
 from flows.rollout import RolloutResult, finish_interrupted, route_holder, serve_rollout
+from tasks.params import Text
 from tasks.route_claim import hold_route, mark_crashed
 from tasks.serve_apps import route_context
 from tasks.serve_config import Gates, Serving
@@ -83,8 +84,8 @@ def observe(route: str, model_name: str, server: MLflowServer, holder: str) -> O
 
 @flow(name="reconcile")
 def reconcile(
-    model_name: str = DEFAULT_MODEL_NAME,
-    route: str = "policy",
+    model_name: Text = DEFAULT_MODEL_NAME,
+    route: Text = "policy",
     gates: Gates | None = None,
     serving: Serving | None = None,
     ray_cluster: RayCluster | None = None,

@@ -9,22 +9,24 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field, field_validator
 
 from blocks import MLflowServer
-from tasks import lineage
+from tasks import charts, lineage
+from tasks.params import Text
 from tasks.register import EvaluationSummary, evaluate, promote, register
 from workloads import registry
 from workloads.promotion import EvalProtocol
 
 DEFAULT_MODEL_NAME = "cartpole-ppo"
 DEFAULT_MLFLOW_EXPERIMENT = "prefect-ray-lifecycle"
+SWEEP_CHART_PATH = "charts/sweep.png"
 
 
 class RegistrationRequest(BaseModel):
     """What to register: one Tune trial's checkpoint, and how to score it."""
 
-    model_name: str = Field(DEFAULT_MODEL_NAME, description="Registered model name in MLflow.")
+    model_name: Text = Field(DEFAULT_MODEL_NAME, description="Registered model name in MLflow.")
     checkpoint: str = Field(description="Path of the trial's Algorithm checkpoint.")
     experiment_path: str = Field(description="The Tune experiment the trial belongs to.")
-    trial_id: str = Field(
+    trial_id: Text = Field(
         description="The Tune trial id; with the experiment, the identity "
         "that makes registration idempotent."
     )
@@ -60,6 +62,11 @@ class RegistrationRequest(BaseModel):
     dataset_fingerprint: str | None = Field(
         None, description="Fingerprint of the training data, when there was a data prep."
     )
+    sweep_chart: str | None = Field(
+        None,
+        description="The sweep's chart (a PNG file on this machine, tune-sweep's chart_path), "
+        "logged on the version's MLflow run and shown on this flow run.",
+    )
 
     @field_validator("model_name")
     @classmethod
@@ -88,7 +95,7 @@ def register_and_promote(
     mlflow_server: MLflowServer | None = None,
     margin: float = 0.0,
     create_model: bool = True,
-    mlflow_experiment: str = DEFAULT_MLFLOW_EXPERIMENT,
+    mlflow_experiment: Text = DEFAULT_MLFLOW_EXPERIMENT,
 ) -> RegistrationResult:
     """Register a trial's checkpoint in MLflow (once), make it the challenger, and promote it
     to champion when it beats the champion on the same evaluation protocol.
@@ -123,6 +130,17 @@ def register_and_promote(
         mlflow_experiment=mlflow_experiment,
         create_model=create_model,
     )
+    chart_url = None
+    if request.sweep_chart:
+        # Never fails the flow: a missing or broken chart is a warning in the logs.
+        chart_url = charts.publish_file(
+            request.sweep_chart,
+            server=server,
+            run_id=registration.run_id,
+            artifact_path=SWEEP_CHART_PATH,
+            key=charts.artifact_key("sweep-chart", request.model_name),
+            description=f"The Tune sweep behind {request.model_name} v{registration.version}",
+        )
     verdict = promote(
         server,
         model_name=request.model_name,
@@ -152,6 +170,7 @@ def register_and_promote(
             f"{'promoted to champion' if verdict.promote else 'not promoted'}: "
             f"{verdict.reason}\n\nModel: "
             f"{lineage.model_version_url(server, request.model_name, registration.version)}"
+            + (f"\n\nSweep chart: [{SWEEP_CHART_PATH}]({chart_url})" if chart_url else "")
         ),
         description="MLflow registration and promotion verdict",
     )

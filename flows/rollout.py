@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 from blocks import MLflowServer, RayCluster
 from flows.register import DEFAULT_MODEL_NAME
 from tasks import lineage
+from tasks.params import ModelVersion, Text
 from tasks.rollout_record import Timeline, emit, record
 from tasks.route_changes import inject, retire, rollback, swap, withdraw
 from tasks.route_claim import hold_route
@@ -46,14 +47,17 @@ class RolloutResult(BaseModel):
     url: str = Field(description="The route's URL.")
     previous_version: str | None = None
     timeline: list[dict[str, Any]] = Field(default_factory=list)
+    chart_url: str | None = Field(
+        None, description="The rollout's chart (a PNG on the version's MLflow run)."
+    )
 
 
 @flow(name="serve-rollout", log_prints=True)
 def serve_rollout(
-    model_name: str = DEFAULT_MODEL_NAME,
-    version: str | None = None,
-    alias: str = registry.CHAMPION,
-    route: str = "policy",
+    model_name: Text = DEFAULT_MODEL_NAME,
+    version: ModelVersion | None = None,
+    alias: Text = registry.CHAMPION,
+    route: Text = "policy",
     gates: Gates | None = None,
     serving: Serving | None = None,
     drill: Drill | None = None,
@@ -67,7 +71,8 @@ def serve_rollout(
 
     Args:
         model_name: Registered model in MLflow.
-        version: The version to roll out; empty: the version the alias points at.
+        version: The version to roll out (a number: 3); empty: the version the alias
+            points at.
         alias: Alias resolved (once, at the start) when no version is given.
         route: The stable route (URL prefix /<route>) whose router serves the model.
         gates: Health, smoke, canary and bake settings.
@@ -150,12 +155,20 @@ def _rollout(
     llm: LLMServing,
 ) -> RolloutResult:
     route = ctx.route
-    timeline = Timeline(f"Rollout of {model_name} v{version} on /{route}")
+    timeline = Timeline(
+        f"Rollout of {model_name} v{version} on /{route}",
+        model_name=model_name,
+        version=version,
+        route=route,
+        server=server,
+        gates=gates,
+    )
     app_config, candidate, health_period_s = version_app(
         kind, server, model_name, version, serving, llm, drill.faults, ctx.runtime_env
     )
     router = serve_control.current_router(route)
     live = router.live if router else None
+    timeline.live = live.version if live else None
     url = f"{cluster.serve_url}/{route}"
     result = dict(
         model_name=model_name,
@@ -175,9 +188,13 @@ def _rollout(
             reason=f"already served on /{route}",
         )
         timeline.add("check", "already live", f"v{version} already serves /{route}")
-        timeline.publish("nothing to do")
+        timeline.publish("nothing to do", chart=False)
         return RolloutResult(
-            outcome="already_live", reason="already live", timeline=timeline.entries, **result
+            outcome="already_live",
+            reason="already live",
+            timeline=timeline.entries,
+            chart_url=timeline.chart_url,
+            **result,
         )
 
     try:
@@ -204,7 +221,11 @@ def _rollout(
             emit("promoted", model_name, version, route, {"first": True, "url": url})
             timeline.publish(f"v{version} serves /{route} (first rollout)")
             return RolloutResult(
-                outcome="first_rollout", reason="first rollout", timeline=timeline.entries, **result
+                outcome="first_rollout",
+                reason="first rollout",
+                timeline=timeline.entries,
+                chart_url=timeline.chart_url,
+                **result,
             )
         inline_live = router.inline_live and live.kind == "policy"
         for weight in gates.canary_steps:
@@ -284,7 +305,11 @@ def _bake_then_settle(
     )
     timeline.publish(f"v{version} replaced v{previous.version} on /{route}")
     return RolloutResult(
-        outcome=outcome, reason=baked["reason"], timeline=timeline.entries, **result
+        outcome=outcome,
+        reason=baked["reason"],
+        timeline=timeline.entries,
+        chart_url=timeline.chart_url,
+        **result,
     )
 
 
@@ -302,9 +327,18 @@ def finish_interrupted(
     interrupted = router.rollout
     version, route = interrupted.version, ctx.route
     why = f"rollout {interrupted.holder} stopped during its {interrupted.stage}"
-    timeline = Timeline(f"Recovery of {model_name} v{version} on /{route}")
+    timeline = Timeline(
+        f"Recovery of {model_name} v{version} on /{route}",
+        model_name=model_name,
+        version=version,
+        route=route,
+        server=server,
+        gates=gates,
+    )
     timeline.add("found", interrupted.stage, why, {"generation": router.generation})
     live = router.live
+    # The version the chart calls live: the one serving before the interrupted rollout.
+    timeline.live = (router.previous or live).version if live else None
     result = dict(
         model_name=model_name,
         version=version,
@@ -330,7 +364,11 @@ def finish_interrupted(
         emit("recovered", model_name, version, route, {"stage": "canary", "action": "withdrawn"})
         timeline.publish(reason)
         return RolloutResult(
-            outcome="withdrawn", reason=reason, timeline=timeline.entries, **result
+            outcome="withdrawn",
+            reason=reason,
+            timeline=timeline.entries,
+            chart_url=timeline.chart_url,
+            **result,
         )
     # Baked again from now, under this claim: the route's record names the new holder.
     since = time.time()

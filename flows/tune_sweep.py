@@ -1,5 +1,6 @@
 """A Tune sweep of an RLlib agent as a Prefect flow: run (or resume) the sweep, evaluate the
-best checkpoint's RLModule on held-out seeds, publish what happened, record the experiment.
+best checkpoint's RLModule on held-out seeds, publish what happened (trial table, best trial,
+a chart of every trial's learning curve), record the experiment.
 
 The Tune driver runs in the flow process. Cancelling the flow run in Prefect stops Tune and
 its trials (polled by the driver; a worker's SIGTERM ends the driver, and Ray its trials)."""
@@ -14,6 +15,7 @@ from pydantic import BaseModel, Field
 
 from blocks import RayCluster
 from tasks import lineage
+from tasks.params import Text
 from tasks.tune import EvaluationReport, TrialSummary, run_sweep
 from tasks.tune_config import DEFAULT_STORAGE_ROOT, SweepConfig
 
@@ -29,13 +31,22 @@ class SweepResult(BaseModel):
     evaluation: EvaluationReport = Field(description="Greedy held-out episodes of the checkpoint.")
     trials: list[TrialSummary] = Field(description="Every trial of the sweep.")
     resumed: bool = Field(description="Whether this run resumed an earlier attempt's sweep.")
+    curves: dict[str, list[dict[str, Any]]] = Field(
+        default_factory=dict,
+        description="Trial id -> its learning curve: points {iteration, env_steps, return}.",
+    )
+    chart_path: str | None = Field(
+        default=None,
+        description="The sweep's chart (PNG) on this machine, for registration to log; None "
+        "when it could not be drawn.",
+    )
 
 
 @flow(name="tune-sweep", log_prints=True)
 def tune_sweep(
     sweep: SweepConfig | None = None,
     ray_cluster: RayCluster | None = None,
-    storage_root: str = DEFAULT_STORAGE_ROOT,
+    storage_root: Text = DEFAULT_STORAGE_ROOT,
     evaluation_episodes: Annotated[int, Field(ge=1)] = 10,
     asset_deps: list[str] | None = None,
 ) -> SweepResult:
@@ -87,4 +98,6 @@ def tune_sweep(
         evaluation=evaluation,
         trials=outcome.trials,
         resumed=outcome.resumed,
+        curves=outcome.curves,
+        chart_path=outcome.chart_path,
     )

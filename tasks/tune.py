@@ -1,6 +1,7 @@
 """Prefect tasks around one Tune sweep of an RLlib algorithm (its settings: tasks.tune_config):
 the Tune run itself (preflight, resume, progress), the held-out evaluation of its best
-checkpoint and the artifacts that show it in Prefect (tasks.tune_report).
+checkpoint, the sweep's chart (tasks.sweep_chart) and the artifacts that show it in Prefect
+(tasks.tune_report).
 
 The Tune driver runs in the flow process (inside `RayCluster.connect()`), so its callbacks can
 update Prefect artifacts and watch the flow run for cancellation. Through Ray Client (ray://)
@@ -28,7 +29,9 @@ from pydantic import BaseModel, Field
 
 from blocks import RayCluster
 from tasks import tune_storage
-from tasks.tune_config import SweepConfig
+from tasks.charts import save_png
+from tasks.sweep_chart import STOPPED_EARLY, STOPPED_ERROR, draw_sweep
+from tasks.tune_config import StopConditions, SweepConfig
 from tasks.tune_report import SweepReport, log, progress_callback
 from workloads import rllib
 
@@ -47,6 +50,15 @@ class TrialSummary(BaseModel):
     iterations: int | None
     checkpoint: str | None = Field(description="Its best checkpoint: a path, or a storage URI.")
     error: str | None = None
+    stopped: str = Field(
+        default="unknown",
+        description=(
+            "Why it stopped: 'error'; 'stop condition (<field>)' when its last result met that "
+            f"stop condition; '{STOPPED_EARLY}' when ASHA cut it before max_iterations; "
+            "'max iterations' (ASHA's max_iterations); 'sweep time budget'; 'no results' "
+            "(never reported); 'completed' otherwise."
+        ),
+    )
 
 
 class EvaluationReport(BaseModel):
@@ -70,6 +82,13 @@ class SweepOutcome(BaseModel):
     resumed: bool = Field(description="Whether this run resumed an earlier attempt's sweep.")
     resource_request: dict[str, float]
     dashboard_url: str | None
+    curves: dict[str, list[dict[str, Any]]] = Field(
+        default_factory=dict,
+        description="Trial id -> its learning curve: points {iteration, env_steps, return}.",
+    )
+    chart_path: str | None = Field(
+        default=None, description="The sweep's chart (PNG) on this machine; None if not drawn."
+    )
 
 
 def _is_cancelling(flow_run_id: str) -> bool:
@@ -87,14 +106,20 @@ def _is_cancelling(flow_run_id: str) -> bool:
     return bool(state and state.name in ("Cancelling", "Cancelled"))
 
 
-def _stop_criteria_met(criteria: dict[str, float], result: dict[str, Any]) -> bool:
+def _criteria_met(criteria: dict[str, float], result: dict[str, Any]) -> list[str]:
+    """The keys of `criteria` that `result` (nested, as Tune reports it) meets."""
     from ray.tune.utils import flatten_dict
 
     flat = flatten_dict(result, delimiter="/")
-    return any(
-        key in flat and flat[key] is not None and flat[key] >= value
+    return [
+        key
         for key, value in criteria.items()
-    )
+        if key in flat and flat[key] is not None and flat[key] >= value
+    ]
+
+
+def _stop_criteria_met(criteria: dict[str, float], result: dict[str, Any]) -> bool:
+    return bool(_criteria_met(criteria, result))
 
 
 class CancelWatch:
@@ -135,6 +160,40 @@ class SweepStopper:
         return watch is not None and watch()
 
 
+# The trials ASHA stopped before max_iterations in the sweep this thread drives. Tune pickles
+# its scheduler with the experiment and a resumed sweep runs the unpickled one, so the
+# scheduler finds the live set here (none where Tune's driver runs elsewhere: Ray Client).
+_EARLY_STOPS: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "tune_sweep_early_stops", default=None
+)
+
+
+def _record_early_stop(trial_id: str) -> None:
+    stops = _EARLY_STOPS.get()
+    if stops is not None:
+        stops.add(trial_id)
+
+
+def _asha(settings):
+    """Tune's ASHA, recording the trials it stops before max_t (built lazily: no Ray import)."""
+    from ray.tune.schedulers import ASHAScheduler
+
+    class _RecordingASHA(ASHAScheduler):
+        def on_trial_result(self, tune_controller, trial, result):
+            decision = super().on_trial_result(tune_controller, trial, result)
+            # Tune only asks the scheduler about results that met no stop condition.
+            if decision == self.STOP and result.get(self._time_attr, 0) < self._max_t:
+                _record_early_stop(trial.trial_id)
+            return decision
+
+    return _RecordingASHA(
+        time_attr="training_iteration",
+        max_t=settings.max_iterations,
+        grace_period=settings.grace_period,
+        reduction_factor=settings.reduction_factor,
+    )
+
+
 def _as_tune_stopper(stopper: SweepStopper):
     """Tune only accepts its own Stopper subclasses; wrap ours in one (built lazily so the
     module imports without Ray)."""
@@ -159,8 +218,82 @@ def _trial_id_from_dir(path: str) -> str:
     return match.group(1) if match else Path(path).name
 
 
-def _summarise(result, metric: str, search_keys: list[str], experiment: str):
-    """The trial's summary, and its best checkpoint (a ray.tune.Checkpoint) or None."""
+def _curve(frame, metric: str) -> list[dict[str, Any]]:
+    """The trial's learning curve: one point per iteration with a finite `metric` (an
+    iteration that finished no episode has none), the last report of an iteration kept."""
+    if frame is None or metric not in frame or "training_iteration" not in frame:
+        return []
+    frame = frame.drop_duplicates("training_iteration", keep="last").sort_values(
+        "training_iteration"
+    )
+    steps = (
+        frame[rllib.ENV_STEPS_METRIC].tolist()
+        if rllib.ENV_STEPS_METRIC in frame
+        else [None] * len(frame)
+    )
+    points = []
+    for iteration, env_steps, value in zip(
+        frame["training_iteration"].tolist(), steps, frame[metric].tolist(), strict=True
+    ):
+        try:
+            value = float(value)
+            env_steps = float(env_steps) if env_steps is not None else math.nan
+        except (TypeError, ValueError):
+            continue
+        if not math.isfinite(value):
+            continue
+        points.append(
+            {
+                "iteration": int(iteration),
+                "env_steps": int(env_steps) if math.isfinite(env_steps) else None,
+                "return": value,
+            }
+        )
+    return points
+
+
+def _stopped(
+    sweep: SweepConfig,
+    trial_id: str,
+    errored: bool,
+    metrics: dict[str, Any],
+    early_stops: set[str],
+    budget_spent: bool,
+) -> str:
+    """Why a trial stopped, as far as its last result and this sweep's run can tell."""
+    if errored:
+        return STOPPED_ERROR
+    iterations = metrics.get("training_iteration")
+    if iterations is None:
+        return "sweep time budget" if budget_spent else "no results"
+    fields = {key: field for field, key in StopConditions.result_keys().items()}
+    met = _criteria_met(sweep.stop.criteria(), metrics)
+    if met:
+        return f"stop condition ({', '.join(fields.get(key, key) for key in met)})"
+    asha = sweep.scheduler.kind == "asha"
+    if trial_id in early_stops:
+        return STOPPED_EARLY
+    if asha and iterations >= sweep.scheduler.max_iterations:
+        return "max iterations"
+    if budget_spent:
+        return "sweep time budget"
+    if asha:
+        # Not seen by this run (stopped before a resume, or Tune's driver ran elsewhere):
+        # nothing but ASHA stops a trial short of max_iterations with no condition met.
+        return STOPPED_EARLY
+    return "completed"
+
+
+def _summarise(
+    result,
+    sweep: SweepConfig,
+    experiment: str,
+    early_stops: set[str] | None = None,
+    budget_spent: bool = False,
+):
+    """The trial's summary, its best checkpoint (a ray.tune.Checkpoint) or None, and its
+    learning curve."""
+    metric, search_keys = sweep.metric, list(sweep.search_space)
     frame = result.metrics_dataframe
     returns = frame[metric].dropna() if frame is not None and metric in frame else None
     best_return = float(returns.max()) if returns is not None and len(returns) else None
@@ -177,8 +310,9 @@ def _summarise(result, metric: str, search_keys: list[str], experiment: str):
     error = None
     if result.error is not None:
         error = str(result.error).strip().splitlines()[-1][:500]
+    trial_id = str(metrics.get("trial_id") or _trial_id_from_dir(result.path))
     summary = TrialSummary(
-        trial_id=str(metrics.get("trial_id") or _trial_id_from_dir(result.path)),
+        trial_id=trial_id,
         status="ERROR" if result.error is not None else "TERMINATED",
         config={key: config.get(key) for key in search_keys},
         best_return=best_return if best_return is None or math.isfinite(best_return) else None,
@@ -186,29 +320,22 @@ def _summarise(result, metric: str, search_keys: list[str], experiment: str):
         iterations=metrics.get("training_iteration"),
         checkpoint=tune_storage.checkpoint_location(checkpoint, experiment) if checkpoint else None,
         error=error,
+        stopped=_stopped(
+            sweep, trial_id, result.error is not None, metrics, early_stops or set(), budget_spent
+        ),
     )
-    return summary, checkpoint
+    return summary, checkpoint, _curve(frame, metric)
 
 
 def _tuner(sweep: SweepConfig, param_space: dict[str, Any], path: str):
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.schedulers import FIFOScheduler
 
     if tune.Tuner.can_restore(path):
         return tune.Tuner.restore(
             path, trainable=sweep.algorithm, resume_errored=True, param_space=param_space
         ), True
-    settings = sweep.scheduler
-    scheduler = (
-        ASHAScheduler(
-            time_attr="training_iteration",
-            max_t=settings.max_iterations,
-            grace_period=settings.grace_period,
-            reduction_factor=settings.reduction_factor,
-        )
-        if settings.kind == "asha"
-        else FIFOScheduler()
-    )
+    scheduler = _asha(sweep.scheduler) if sweep.scheduler.kind == "asha" else FIFOScheduler()
     storage_path, name = tune_storage.split_experiment(path)
     tuner = tune.Tuner(
         sweep.algorithm,
@@ -293,9 +420,11 @@ def run_sweep(
     path = tune_storage.experiment_path(storage_root, flow_run_id)
     watch = CancelWatch(flow_run_id)
     watching = _WATCH.set(watch)
+    recording = _EARLY_STOPS.set(set())
     try:
         return _sweep(sweep, cluster, path, evaluation_episodes, watch)
     finally:
+        _EARLY_STOPS.reset(recording)
         _WATCH.reset(watching)
 
 
@@ -317,25 +446,36 @@ def _sweep(
             request = preflight(config, sweep.environment)
             param_space = rllib.param_space(config, rllib.parse_search_space(sweep.search_space))
             tuner, resumed = _tuner(sweep, param_space, path)
+            started = time.monotonic()
             results = tuner.fit()
+            # This attempt's time only: Tune carries a resumed sweep's remaining budget over.
+            budget = sweep.stop.sweep_seconds
+            budget_spent = budget is not None and time.monotonic() - started >= budget
             dashboard = (context.dashboard_url if context else None) or cluster.dashboard_url
             if watch.cancelled:
                 # A Cancelled state (not an exception): the flow ends its run Cancelled with it.
                 return Cancelled(
                     message=f"flow run {flow_run_id} was cancelled; its sweep stopped at {path}"
                 )
-            summaries = [
-                _summarise(r, sweep.metric, list(sweep.search_space), path) for r in results
-            ]
-            trials = [summary for summary, _ in summaries]
+            early_stops = set(_EARLY_STOPS.get() or ())
+            summaries = [_summarise(r, sweep, path, early_stops, budget_spent) for r in results]
+            trials = [summary for summary, _, _ in summaries]
+            curves = {summary.trial_id: curve for summary, _, curve in summaries}
             report.trials(_trial_rows(trials))
-            best, checkpoint = _best(summaries, sweep, path)
+            try:
+                best, checkpoint = _best([(t, c) for t, c, _ in summaries], sweep, path)
+            except RuntimeError as failure:
+                # The sweep fails; its chart still shows where each trial got to.
+                if chart := _chart(sweep, path, flow_run_id, trials, curves, None, None):
+                    report.chart(chart.read_bytes(), f"The sweep failed: {failure}")
+                raise
             local = tune_storage.local_checkpoint(checkpoint, flow_run_id, best.trial_id)
             # Evaluated while Ray shuts down: it reads the checkpoint and needs no Ray.
             evaluation = evaluator.submit(
                 contextvars.copy_context().run, _evaluate, local, sweep, evaluation_episodes
             )
         evaluation = evaluation.result()
+        chart = _chart(sweep, path, flow_run_id, trials, curves, best, evaluation)
         if dashboard and not dashboard.startswith("http"):
             dashboard = f"http://{dashboard}"
         outcome = SweepOutcome(
@@ -347,9 +487,52 @@ def _sweep(
             resumed=resumed,
             resource_request=request,
             dashboard_url=dashboard,
+            curves=curves,
+            chart_path=str(chart) if chart else None,
         )
         report.best(_best_markdown(outcome))
+        if chart:
+            report.chart(chart.read_bytes(), _chart_caption(outcome))
     return outcome
+
+
+def _chart(
+    sweep: SweepConfig,
+    path: str,
+    flow_run_id: str | None,
+    trials: list[TrialSummary],
+    curves: dict[str, list[dict[str, Any]]],
+    best: TrialSummary | None,
+    evaluation: EvaluationReport | None,
+) -> Path | None:
+    """Draw the sweep's chart and save it on this machine; None (logged) when that failed:
+    a chart reports the sweep, it never fails it."""
+    try:
+        figure = draw_sweep(
+            trials,
+            curves,
+            best.trial_id if best else None,
+            evaluation,
+            sweep.metric,
+            experiment=path,
+            title=(
+                f"{sweep.algorithm} on {sweep.environment}: {len(trials)} trials, "
+                f"{sweep.scheduler.kind.upper()} scheduler"
+            ),
+        )
+        return save_png(figure, tune_storage.local_chart(path, flow_run_id))
+    except Exception as error:
+        log(f"could not draw the sweep's chart: {error!r}", warning=True)
+        return None
+
+
+def _chart_caption(outcome: SweepOutcome) -> str:
+    early = sum(t.stopped == STOPPED_EARLY for t in outcome.trials)
+    return (
+        f"{len(outcome.trials)} trials ({early} stopped early by ASHA, marked x); "
+        f"best `{outcome.best.trial_id}`, held-out {outcome.evaluation.mean_return:.1f} ± "
+        f"{outcome.evaluation.std_return:.1f}. File: `{outcome.chart_path}`"
+    )
 
 
 def _best(summaries, sweep: SweepConfig, path: str):
@@ -374,6 +557,7 @@ def _trial_rows(trials: list[TrialSummary]) -> list[dict[str, Any]]:
             "best_return": t.best_return,
             "env_steps": t.env_steps,
             "iterations": t.iterations,
+            "stopped": t.stopped,
             "checkpoint": t.checkpoint,
         }
         for t in trials

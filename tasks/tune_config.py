@@ -70,14 +70,19 @@ class StopConditions(BaseModel):
         default=None, gt=0, description="Stop the whole sweep after this many seconds."
     )
 
+    @staticmethod
+    def result_keys() -> dict[str, str]:
+        """The flattened result key each per-trial condition compares, by field name."""
+        return {
+            "training_iterations": "training_iteration",
+            "env_steps": rllib.ENV_STEPS_METRIC,
+            "episode_return": rllib.RETURN_METRIC,
+            "trial_seconds": "time_total_s",
+        }
+
     def criteria(self) -> dict[str, float]:
         """Tune's stop dict (flattened result keys)."""
-        pairs = {
-            "training_iteration": self.training_iterations,
-            rllib.ENV_STEPS_METRIC: self.env_steps,
-            rllib.RETURN_METRIC: self.episode_return,
-            "time_total_s": self.trial_seconds,
-        }
+        pairs = {key: getattr(self, field) for field, key in self.result_keys().items()}
         return {key: value for key, value in pairs.items() if value is not None}
 
 

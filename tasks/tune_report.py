@@ -1,10 +1,11 @@
 """What a sweep shows in Prefect: a progress artifact kept up to date by a Tune callback, the
-trial table and the best trial's summary. Every artifact is written by one background thread
-in the task run's context, so neither Tune's event loop nor the sweep's tail waits on the API;
-`close()` waits for what is queued."""
+trial table, the best trial's summary and the sweep's chart. Every artifact is written by one
+background thread in the task run's context, so neither Tune's event loop nor the sweep's tail
+waits on the API; `close()` waits for what is queued."""
 
 from __future__ import annotations
 
+import base64
 import contextvars
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +26,7 @@ from workloads import rllib
 PROGRESS_KEY = "tune-sweep-progress"
 TRIALS_KEY = "tune-sweep-trials"
 BEST_KEY = "tune-sweep-best"
+CHART_KEY = "tune-sweep-chart"
 
 
 def log(message: str, warning: bool = False) -> None:
@@ -100,6 +102,19 @@ class SweepReport:
             "best trial",
             lambda: create_markdown_artifact(
                 key=BEST_KEY, markdown=markdown, description="Best trial of the sweep"
+            ),
+        )
+
+    def chart(self, png: bytes, caption: str) -> None:
+        """The sweep's chart, embedded in a markdown artifact as a data URI: the sweep has no
+        server to host the image (registration logs it on the version's MLflow run)."""
+        data = base64.b64encode(png).decode("ascii")
+        self._submit(
+            "sweep chart",
+            lambda: create_markdown_artifact(
+                key=CHART_KEY,
+                markdown=f"![sweep chart](data:image/png;base64,{data})\n\n{caption}\n",
+                description="Every trial's learning curve, and the best one's evaluation",
             ),
         )
 

@@ -1,6 +1,6 @@
 """Where a sweep's experiment lives: a folder every Ray node reaches (NFS, a shared volume) or a
-pyarrow filesystem URI (s3://, gs://, abfs://, hdfs://, file://), and the local copy of a
-checkpoint that evaluation and registration read."""
+pyarrow filesystem URI (s3://, gs://, abfs://, hdfs://, file://), the local copy of a
+checkpoint that evaluation and registration read, and where the sweep's chart is saved."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ EXPERIMENT_NAME = "sweep"
 # Checkpoints of remote storage are copied here (per flow run and trial) to be evaluated and
 # registered: MLflow logs artifacts from local files.
 LOCAL_CHECKPOINTS = Path("~/.cache/prefect-ray-lifecycle/checkpoints")
+# The sweep's chart of an experiment on remote storage is drawn here (per flow run).
+LOCAL_CHARTS = Path("~/.cache/prefect-ray-lifecycle/charts")
+CHART_NAME = "sweep.png"
 
 
 def is_uri(storage: str) -> bool:
@@ -74,3 +77,11 @@ def local_checkpoint(
         checkpoint.to_directory(str(partial))
         partial.rename(target)
     return str(target)
+
+
+def local_chart(experiment: str, flow_run_id: str | None, cache: Path = LOCAL_CHARTS) -> Path:
+    """Where the sweep's chart is saved on this machine: next to the experiment folder (in the
+    flow run's folder) when it is local, under `cache` (per flow run) when it is a URI."""
+    if is_uri(experiment):
+        return cache.expanduser() / (flow_run_id or "no-flow-run") / CHART_NAME
+    return Path(experiment).parent / CHART_NAME

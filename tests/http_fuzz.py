@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import struct
 from typing import Any
+from urllib.parse import parse_qsl, quote, urlsplit
 
 from hypothesis import strategies as st
 
@@ -176,6 +177,46 @@ def openai_requests(draw, model: str, max_tokens: int | None = None) -> tuple[st
         )
     )
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+# The figures window of a router's `GET <route>/-/status?window_s=N`: whole seconds within
+# [1, 900], and what is not (signs, decimals, exponents, other digits, padding, huge numbers).
+WINDOWS = mostly(
+    st.integers(1, 900).map(str),
+    st.sampled_from(
+        ["0", "901", "-5", "+5", "1.5", "5s", "", " 5", "5 ", "1e3", "0x10", "NaN", "\u0663"]
+        + ["\u00b2", "0000005", "9" * 60, "300&window_s=5", "300#x"]
+    )
+    | st.integers().map(str)
+    | PRINTABLE,
+)
+STATUS_QUERIES = st.one_of(
+    WINDOWS.map(lambda v: f"window_s={quote(v, safe='')}"),
+    WINDOWS.map(lambda v: f"window_s={v}"),  # unencoded: '&', '#', '%' and spaces as they come
+    st.lists(WINDOWS, min_size=2, max_size=3).map(
+        lambda vs: "&".join(f"window_s={quote(v, safe='')}" for v in vs)
+    ),
+    st.tuples(PRINTABLE, WINDOWS).map(lambda p: f"{p[0]}&window%5Fs={quote(p[1], safe='')}"),
+    PRINTABLE,
+)
+
+
+def status_window_of(url: str, default: int = 300, most: int = 900) -> int | None:
+    """The window a router's `-/status` should report for the URL a client sent (its query
+    parsed as Starlette parses it), or None when it must refuse it with a 400."""
+    query = parse_qsl(urlsplit(url).query, keep_blank_values=True)
+    return expected_window([v for k, v in query if k == "window_s"], default, most)
+
+
+def expected_window(values: list[str], default: int = 300, most: int = 900) -> int | None:
+    """The window_s values a query gave, as a window; None for a 400: given more than once,
+    or not whole seconds (ASCII digits, at most 6 of them) within [1, `most`]."""
+    if not values:
+        return default
+    value = values[0] if len(values) == 1 else ""
+    if value.isascii() and value.isdigit() and len(value) <= 6 and 1 <= int(value) <= most:
+        return int(value)
+    return None
 
 
 def assert_contract(status: int, body: bytes, headers: dict[str, str]) -> Any:

@@ -80,3 +80,46 @@ def test_rollouts_queue_and_schedules_are_defined_but_off():
         if refs:  # Prefect 3.9's server-side check refuses a $ref to an all-defaults block
             assert deployment["enforce_parameter_schema"] is False, deployment["name"]
         assert set(setup.SCHEDULED) == {d["name"] for d in DEPLOYMENTS if d.get("schedules")}
+
+
+def flow_of(deployment: dict):
+    return load_flow_from_entrypoint(str(PROJECT_ROOT / deployment["entrypoint"]))
+
+
+def text_parameters(flow) -> list[str]:
+    """Top-level parameters the UI renders as a free text field."""
+    names = []
+    for name, schema in flow.parameters.properties.items():
+        types = {schema.get("type")} | {s.get("type") for s in schema.get("anyOf", [])}
+        if "string" in types and "enum" not in schema:
+            names.append(name)
+    return names
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS, ids=[d["name"] for d in DEPLOYMENTS])
+def test_parameters_validate_as_the_cli_and_the_ui_form_send_them(deployment, monkeypatch):
+    """`prefect deployment run ... --param k=v` reads v as JSON (version=2 sends the number 2);
+    the UI's text field sends a string. Every text parameter takes both to the same text."""
+    from prefect.cli._utilities import load_json_key_values
+
+    monkeypatch.chdir(PROJECT_ROOT)
+    flow = flow_of(deployment)
+    required = USER_INPUT.get(deployment["name"], {})
+    for name in text_parameters(flow):
+        typed = "2" if name == "version" else "2024"  # what looks like a number to the CLI
+        from_cli = load_json_key_values([f"{name}={typed}"], "parameter")
+        assert not isinstance(from_cli[name], str)  # the CLI did send a number
+        assert flow.validate_parameters({**required, **from_cli})[name] == typed, name
+        assert flow.validate_parameters({**required, name: typed})[name] == typed, name  # UI
+
+
+def test_a_version_parameter_takes_a_number_and_names_a_bad_one():
+    from prefect.exceptions import ParameterTypeError
+
+    from flows.rollout import serve_rollout
+
+    assert serve_rollout.validate_parameters({"version": 7})["version"] == "7"
+    assert serve_rollout.validate_parameters({"version": " 07"})["version"] == "7"
+    for bad in (0, -1, 2.5, "latest", True, "v2"):
+        with pytest.raises(ParameterTypeError, match="version: .*whole number from 1"):
+            serve_rollout.validate_parameters({"version": bad})

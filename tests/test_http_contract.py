@@ -17,13 +17,17 @@ from http_fuzz import (
     JSON_TYPE,
     METHODS,
     NASTY,
-    PRINTABLE,
     RAW_TYPE,
+    STATUS_QUERIES,
+    WINDOWS,
     assert_contract,
+    expected_window,
+    mostly,
     openai_requests,
     policy_requests,
+    status_window_of,
 )
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from workloads.constants import POLICY_DEPLOYMENT, REQUEST_ID_HEADER, VERSION_HEADER
@@ -35,6 +39,7 @@ from workloads.llm.protocol import (
     generation_budget,
     parse_json_body,
 )
+from workloads.router import MAX_STATUS_WINDOW_S, STATUS_WINDOW_S, status_window
 from workloads.serving import MAX_BATCH, ModelSpec, PolicyCore
 
 VALID = json.dumps({"observation": [0.01, -0.02, 0.03, 0.04]}).encode()
@@ -125,6 +130,21 @@ def test_openai_request_validation_only_ever_refuses_with_a_4xx(request):
     assert 0 <= kwargs["temperature"] <= 2 and 0 < kwargs["top_p"] <= 1
     assert kwargs["top_k"] >= -1 and -2 <= kwargs["presence_penalty"] <= 2
     assert kwargs["seed"] is None or -(2**63) <= kwargs["seed"] < 2**63
+
+
+@FUZZ
+@given(values=st.lists(mostly(st.integers(-5, 1000).map(str), WINDOWS), max_size=3))
+def test_the_status_window_is_whole_seconds_within_the_figures_kept_or_a_400(values):
+    """The figures window of `-/status?window_s=N`, from the values the query gave."""
+    expected = expected_window(values, STATUS_WINDOW_S, MAX_STATUS_WINDOW_S)
+    try:
+        window = status_window(values)
+    except BadRequest as error:
+        event("400")
+        assert expected is None and error.status == 400 and "window_s" in error.message
+        return
+    event("window")
+    assert window == expected and 1 <= window <= MAX_STATUS_WINDOW_S
 
 
 # ---- the live route: a router and a version app on the session's Ray head -----------------
@@ -250,24 +270,64 @@ def test_a_versions_own_app_never_answers_5xx_to_bad_input(route, request):
 
 
 @settings(
-    max_examples=40,
+    max_examples=80,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(
     method=METHODS | st.just("GET"),
     suffix=st.sampled_from(["/-/status", "/-/status/", "/-/STATUS", "/-/statusx", "/-/"])
-    | PRINTABLE.map(lambda text: "/-/status?" + text),
+    | st.sampled_from(["/-/status?", "/-/status/?"]).flatmap(
+        lambda path: STATUS_QUERIES.map(lambda query: path + query)
+    ),
     body=st.binary(max_size=100) | st.just(VALID),
 )
 def test_the_router_status_never_answers_5xx(route, method, suffix, body):
+    """`-/status` answers 200 with the figures of the window asked for, a 400 JSON for a bad
+    window_s (not a whole number of seconds in [1, 900], or given twice), never a 5xx."""
     response = route["session"].request(
         method, route["url"] + suffix, data=body, headers={"content-type": JSON_TYPE}, timeout=30
     )
     event(f"{method} {response.status_code}")
     status = assert_contract(response.status_code, response.content, response.headers)
     if method == "GET" and suffix.split("?")[0].rstrip("/") == "/-/status":
-        assert response.status_code == 200 and status["config"]["live"]["version"] == "1"
+        window = status_window_of(response.request.url)  # the query as it was sent
+        event(f"GET -/status, window_s {'refused' if window is None else 'taken'}")
+        if window is None:
+            assert response.status_code == 400 and "window_s" in status["error"], status
+        else:
+            assert response.status_code == 200 and status["config"]["live"]["version"] == "1"
+            assert status["figures"]["window_s"] == window and "error" not in status["figures"]
+            assert isinstance(status["figures"]["versions"], dict)
+    assert_serving(route)
+
+
+@LIVE_FUZZ
+@given(query=STATUS_QUERIES)
+@example(query="window_s=0")
+@example(query="window_s=901")
+@example(query="window_s=-5")
+@example(query="window_s=1.5")
+@example(query="window_s=1e3")
+@example(query="window_s=")
+@example(query="window_s=%D9%A3")  # an Arabic-Indic 3: a digit, but not ASCII
+@example(query="window_s=" + "9" * 60)
+@example(query="window_s=5&window_s=6")
+@example(query="window_s=1")
+@example(query="window_s=900")
+@example(query="other=1")
+def test_the_router_status_window_is_whole_seconds_or_a_json_400(route, query):
+    """`GET -/status?window_s=N`: the figures of the last N seconds for whole seconds in
+    [1, 900] (300 without it), a JSON 400 naming window_s for anything else."""
+    response = route["session"].get(f"{route['url']}/-/status?{query}", timeout=30)
+    window = status_window_of(response.request.url)  # the query as it was sent
+    event(f"window_s {'refused' if window is None else 'taken'}: {response.status_code}")
+    status = assert_contract(response.status_code, response.content, response.headers)
+    if window is None:
+        assert response.status_code == 400 and "window_s" in status["error"], status
+    else:
+        assert response.status_code == 200, status
+        assert status["figures"] == {"window_s": window, "versions": status["figures"]["versions"]}
     assert_serving(route)
 
 

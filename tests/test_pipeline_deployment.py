@@ -120,10 +120,19 @@ def environment(stack):
             serve_control.delete_route(ROUTE, model_name)
 
 
-def run_deployment(prefect_client, cli_env: dict, params: dict, state_dir: Path):
-    """`prefect deployment run train-and-ship/...` and its final flow run, Completed."""
+def run_deployment(
+    prefect_client,
+    cli_env: dict,
+    params: dict,
+    state_dir: Path,
+    name: str = "train-and-ship/train-and-ship",
+    typed: tuple[str, ...] = (),
+):
+    """`prefect deployment run NAME --params JSON [--param k=v for k=v in typed]` (by default
+    train-and-ship) and its final flow run, Completed."""
+    typed_params = [arg for pair in typed for arg in ("--param", pair)]
     out = cli(
-        ["deployment", "run", "train-and-ship/train-and-ship", "--params", json.dumps(params)],
+        ["deployment", "run", name, "--params", json.dumps(params), *typed_params],
         cli_env,
         timeout=120,
     )
@@ -278,6 +287,12 @@ def test_train_and_ship_deployments_ship_a_better_version_and_keep_live_otherwis
     assert tags[tag + "rollout.route"] == ROUTE
     for alias in (registry.CHAMPION, registry.LIVE):
         assert registry.resolve_alias(client, model_name, alias).version == "1"
+    # The sweep's chart, handed from the sweep to the registration, and the rollout's chart,
+    # both on the version's MLflow run.
+    logged = {f.path for f in client.list_artifacts(version.run_id, "charts")}
+    assert logged == {"charts/sweep.png"}
+    rollout_charts = [f.path for f in client.list_artifacts(version.run_id, "rollouts")]
+    assert any(path.endswith(".png") for path in rollout_charts), rollout_charts
 
     # The route serves that version over HTTP.
     route_url = f"http://127.0.0.1:{stack.serve_port}/{ROUTE}"
@@ -353,6 +368,25 @@ def test_train_and_ship_deployments_ship_a_better_version_and_keep_live_otherwis
     event = asset_event(prefect_client, lineage.experiment_key(tags[tag + "tune.experiment_path"]))
     prepared = (tmp_path / "prepared").resolve().as_posix()
     assert any(r.id.endswith(prepared) for r in event.related), event.related
+
+    # Someone rolls v2 out by hand, typing the version as people do: the CLI sends the
+    # number 2, and the rollout takes it as MLflow's "2".
+    rollout_params = {
+        "model_name": model_name,
+        "route": ROUTE,
+        "gates": FAST_GATES,
+        "serving": SMALL_SERVING,
+    }
+    run_deployment(
+        prefect_client,
+        cli_env,
+        rollout_params,
+        state_dir=stack.state_dir,
+        name="serve-rollout/serve-rollout",
+        typed=("version=2",),
+    )
+    assert registry.resolve_alias(client, model_name, registry.LIVE).version == "2"
+    assert walkback.ask(route_url, OBSERVATION)["version"] == "2"
 
 
 def test_asset_keys_are_valid_and_name_their_objects():

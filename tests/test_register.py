@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 import requests
+from chart_checks import synthetic_chart
 from mlflow import MlflowClient
 from pydantic import ValidationError
 
@@ -52,9 +53,50 @@ def versions(client: MlflowClient, name: str) -> list:
     return client.search_model_versions(f"name = '{name}'")
 
 
-def test_registering_the_same_trial_twice_gives_one_version(checkpoints, server, model_name, stack):
-    first = register_and_promote(request(model_name, checkpoints["good"], "t1"), server)
-    second = register_and_promote(request(model_name, checkpoints["good"], "t1"), server)
+def flow_artifacts(prefect_client, flow_run_id) -> dict:
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    return {
+        a.key: a
+        for a in prefect_client.read_artifacts(
+            flow_run_filter=FlowRunFilter(id={"any_": [str(flow_run_id)]})
+        )
+    }
+
+
+def warnings_of(prefect_client, flow_run_id, text: str, timeout: float = 15.0) -> list[str]:
+    """The flow run's warning lines that contain `text` (log lines land a moment later)."""
+    import logging
+
+    from prefect.client.schemas.filters import LogFilter
+
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [
+            log.message
+            for log in prefect_client.read_logs(
+                log_filter=LogFilter(flow_run_id={"any_": [flow_run_id]}), limit=200
+            )
+            if log.level == logging.WARNING and text in log.message
+        ]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
+def test_registering_the_same_trial_twice_gives_one_version(
+    checkpoints, server, model_name, stack, prefect_client, tmp_path
+):
+    chart = synthetic_chart(tmp_path / "sweep.png")
+    states = [
+        register_and_promote(
+            request(model_name, checkpoints["good"], "t1", sweep_chart=str(chart)),
+            server,
+            return_state=True,
+        )
+        for _ in range(2)
+    ]
+    first, second = (state.result() for state in states)
 
     assert (first.created, second.created) == (True, False)
     assert first.version == second.version == "1"
@@ -74,6 +116,37 @@ def test_registering_the_same_trial_twice_gives_one_version(checkpoints, server,
         "trials.json",
         "evaluation.json",
     }
+
+    # The sweep's chart, on the version's run as it was drawn, and on both flow runs (the
+    # second found the version, and its run, already registered) as an image MLflow serves.
+    assert [a.path for a in client.list_artifacts(version.run_id, "charts")] == ["charts/sweep.png"]
+    for state in states:
+        artifacts = flow_artifacts(prefect_client, state.state_details.flow_run_id)
+        image = artifacts[f"sweep-chart-{model_name}"]
+        assert image.type == "image"
+        assert version.run_id in image.data and "charts%2Fsweep.png" in image.data
+        response = requests.get(image.data, timeout=10)
+        assert response.status_code == 200 and response.content == chart.read_bytes()
+        assert image.data in artifacts["registration"].data
+
+    # A chart that is missing or not a PNG is a warning; the registration goes on without it.
+    not_png = tmp_path / "chart.png"
+    not_png.write_text("not an image")
+    for path, why in [(tmp_path / "missing.png", "No such file"), (not_png, "is not a PNG")]:
+        state = register_and_promote(
+            request(model_name, checkpoints["good"], "t1", sweep_chart=str(path)),
+            server,
+            return_state=True,
+        )
+        assert state.is_completed() and state.result().version == "1"
+        flow_run_id = state.state_details.flow_run_id
+        (warning,) = warnings_of(prefect_client, flow_run_id, "could not publish the chart")
+        assert why in warning
+        artifacts = flow_artifacts(prefect_client, flow_run_id)
+        assert f"sweep-chart-{model_name}" not in artifacts
+        assert "Sweep chart" not in artifacts["registration"].data
+    response = requests.get(image.data, timeout=10)
+    assert response.content == chart.read_bytes()  # the version's chart is still the sweep's
 
 
 def test_promotion_rejection_and_alias_history(checkpoints, server, model_name, stack):
@@ -242,3 +315,26 @@ def test_an_mlflow_outage_during_registration_is_retried_to_exactly_one_version(
         assert recovered.state.is_completed() and recovered.run_count > 1
     finally:
         local.stop(service)
+
+
+def test_a_new_verdict_replaces_the_old_one_whole(stack, model_name):
+    """A version rejected at a stage and promoted later shows the promotion, not the old
+    stage; tags that are not verdicts (lineage) still add up."""
+    client = MlflowClient(stack.mlflow_uri)
+    run = client.create_run(client.create_experiment(f"verdicts-{model_name}"))
+    client.create_registered_model(model_name)
+    version = client.create_model_version(
+        model_name, f"{run.info.artifact_uri}/model", run_id=run.info.run_id
+    ).version
+    registry.tag_verdict(
+        client, model_name, version, "rollout", {"verdict": "rejected", "stage": "canary"}
+    )
+    registry.tag_verdict(client, model_name, version, "rollout", {"verdict": "promoted"})
+    registry.tag_verdict(client, model_name, version, "tune", {"flow_run_id": "a"})
+    registry.tag_verdict(client, model_name, version, "tune", {"trial_id": "b"})
+    tags = client.get_model_version(model_name, version).tags
+    rollout = {k: v for k, v in tags.items() if k.startswith(f"{registry.TAG}.rollout.")}
+    assert set(rollout) == {f"{registry.TAG}.rollout.verdict", f"{registry.TAG}.rollout.at"}
+    assert rollout[f"{registry.TAG}.rollout.verdict"] == "promoted"
+    assert tags[f"{registry.TAG}.tune.flow_run_id"] == "a"
+    assert tags[f"{registry.TAG}.tune.trial_id"] == "b"

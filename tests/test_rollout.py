@@ -7,12 +7,15 @@ from __future__ import annotations
 import contextvars
 import http.client
 import json
+import re
+import struct
 import threading
 import time
 import uuid
 
 import numpy as np
 import pytest
+import requests
 from mlflow import MlflowClient
 from prefect.concurrency.sync import concurrency
 
@@ -20,6 +23,7 @@ from blocks import MLflowServer
 from deployments.load import OBSERVATION, ClosedLoop
 from flows.reconcile import reconcile
 from flows.rollout import RolloutFailed, serve_rollout
+from tasks.charts import PNG_MAGIC, artifact_url
 from tasks.serve_config import Drill, Gates, Serving
 from workloads import registry, serve_control
 from workloads.constants import ROUTER_DEPLOYMENT
@@ -87,7 +91,7 @@ def rollout(serving, version, **kwargs):
     kwargs.setdefault("gates", fast_gates())
     return serve_rollout(
         model_name=serving["name"],
-        version=str(version) if version is not None else None,
+        version=version,  # a number, as `--param version=3` sends it, or None
         route=ROUTE,
         serving=SERVING,
         ray_cluster=serving["cluster"],
@@ -134,14 +138,43 @@ def rollout_events(prefect_client, serving, version, outcome) -> list:
         time.sleep(0.5)
 
 
-def rollout_artifact(prefect_client, flow_run_id):
+def rollout_artifact(prefect_client, flow_run_id, serving, kind: str = "rollout"):
+    """The run's timeline (kind "rollout") or chart ("rollout-chart") artifact, keyed by
+    route and model."""
     from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
 
     (artifact,) = prefect_client.read_artifacts(
-        artifact_filter=ArtifactFilter(key={"any_": ["rollout"]}),
+        artifact_filter=ArtifactFilter(key={"any_": [f"{kind}-{ROUTE}-{serving['name']}"]}),
         flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}),
     )
     return artifact
+
+
+def rollout_chart(serving, version) -> tuple[str, dict]:
+    """The version's last rollout chart on its MLflow run: its URL on the MLflow server (the
+    PNG checked as served there) and the data it was drawn from."""
+    client = serving["client"]
+    run_id = client.get_model_version(serving["name"], str(version)).run_id
+    pngs = sorted(
+        f.path for f in client.list_artifacts(run_id, "rollouts") if f.path.endswith("png")
+    )
+    assert pngs, f"v{version} has no rollout chart"
+    url = artifact_url(serving["server"], run_id, pngs[-1])
+    png = requests.get(url, timeout=30)
+    assert png.status_code == 200 and png.content[:8] == PNG_MAGIC
+    width, height = struct.unpack(">II", png.content[16:24])
+    assert 800 <= width <= 3000 and 500 <= height <= 3000
+    drawn = requests.get(url.replace(".png", ".json"), timeout=30).json()
+    return url, drawn
+
+
+def served_between(drawn: dict, version: str, start: float, end: float) -> int:
+    """Requests the chart's data counts for `version` in buckets starting in [start, end)."""
+    return sum(p["requests"] for p in drawn["series"].get(version, []) if start <= p["at"] < end)
+
+
+def stage_end(drawn: dict, stage: str) -> float:
+    return next(mark["at"] for mark in drawn["stages"] if mark["stage"] == stage)
 
 
 def waiting_reconcile(prefect_client, timeout: float = 60):
@@ -227,8 +260,24 @@ def test_first_rollout_by_alias_then_a_good_candidate_swaps_with_zero_failed_req
     assert [h["version"] for h in history] == ["1", "2"]
     (event,) = rollout_events(prefect_client, serving, 2, "promoted")
     assert event.payload["previous"] == "1"
-    artifact = rollout_artifact(prefect_client, result.state_details.flow_run_id)
+    flow_run_id = result.state_details.flow_run_id
+    artifact = rollout_artifact(prefect_client, flow_run_id, serving)
     assert "v2 replaced v1" in artifact.description and "| canary 30% | passed |" in artifact.data
+    assert "| figures |" not in artifact.data  # the table stays scannable; the chart has them
+    # The chart: on v2's MLflow run, on the flow run as an image, linked from the timeline.
+    url, drawn = rollout_chart(serving, 2)
+    assert promoted.chart_url == url and f"]({url})" in artifact.data
+    assert rollout_artifact(prefect_client, flow_run_id, serving, "rollout-chart").data == url
+    assert [mark["stage"] for mark in drawn["stages"]] == stages
+    assert (drawn["live"], drawn["candidate"]) == ("1", "2")
+    assert drawn["thresholds"]["max_error_rate"] == fast_gates().max_error_rate
+    # What it drew is what users got: v1 before the canary, v2 during it too, and v2 alone
+    # once swapped (a report lags its answer by under a second); no errors.
+    assert served_between(drawn, "1", drawn["started"], stage_end(drawn, "smoke")) > 0
+    assert served_between(drawn, "2", stage_end(drawn, "smoke"), stage_end(drawn, "swap")) > 0
+    assert served_between(drawn, "2", stage_end(drawn, "swap"), time.time()) > 0
+    assert served_between(drawn, "1", stage_end(drawn, "swap") + 2, time.time()) == 0
+    assert all(p["errors"] == 0 for points in drawn["series"].values() for p in points)
 
 
 def test_a_candidate_whose_health_check_fails_is_rejected_without_a_failed_request(
@@ -284,6 +333,12 @@ def test_a_candidate_failing_half_its_requests_is_aborted_and_no_user_sees_it(se
     assert (tags["verdict"], tags["stage"]) == ("rejected", "canary")
     assert "error rate" in tags["reason"]
     assert router_status(serving)["config"]["rollout"] is None
+    # The chart of the aborted rollout shows the canary failing, and v4's errors in it.
+    _, drawn = rollout_chart(serving, 4)
+    assert [(m["stage"], m["outcome"]) for m in drawn["stages"]][-1] == ("canary", "failed")
+    assert any(
+        p["error_rate"] > drawn["thresholds"]["max_error_rate"] for p in drawn["series"]["4"]
+    )
 
 
 def test_degradation_after_the_swap_is_rolled_back_without_a_failed_request(
@@ -412,3 +467,116 @@ def test_reconcile_rolls_out_a_manual_champion_and_otherwise_does_nothing(servin
     assert live_version(serving) == "6"
     assert traffic.failed() == []
     assert reconcile(**common).action == "in_sync"
+
+
+def test_the_status_command_says_what_the_router_and_mlflow_say(serving, capsys):
+    """`python -m deployments.status --json` gives the router's own `-/status` (live version,
+    candidate, weight, served share, lease), MLflow's aliases and last rollout verdicts, and
+    the figures of the requests just sent; its tables name the same."""
+    from deployments import status as status_command
+
+    router = serve_control.current_router(ROUTE)
+    if router is None or router.live is None:
+        ensure_live(serving, "2")
+    sent, started = 20, time.time()
+    connection = http.client.HTTPConnection("127.0.0.1", serving["port"], timeout=30)
+    for _ in range(sent):
+        body = json.dumps({"observation": OBSERVATION})
+        connection.request("POST", f"/{ROUTE}", body, {"content-type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200, response.read()
+        response.read()
+    live = response.getheader("X-Model-Version")
+    # Router replicas report their figures every 0.25 s, without waiting for an answer.
+    deadline = time.monotonic() + 20
+    while route_figures(ROUTE, started).get(live, {}).get("requests", 0) < sent:
+        assert time.monotonic() < deadline, route_figures(ROUTE, started)
+        time.sleep(0.25)
+
+    name, client = serving["name"], serving["client"]
+    args = ["--url", f"http://127.0.0.1:{serving['port']}/{ROUTE}", "--model", name]
+    args += ["--mlflow-uri", serving["server"].tracking_uri, "--window", "60"]
+    assert status_command.main([*args, "--json"]) == 0
+    now = json.loads(capsys.readouterr().out)
+    direct = router_status(serving)  # the router's own answer, no window: the last 300 s
+    for key in ("route", "candidate_share", "lease", "inline_version"):
+        assert now[key] == direct[key], key
+    for key in ("live", "candidate", "candidate_weight", "previous", "rollout", "generation"):
+        assert now[key] == direct["config"][key], key
+    assert now["live"]["version"] == live and now["model"] == name
+    assert now["candidate"] is None and now["candidate_share"] == 0.0
+    assert direct["figures"]["window_s"] == 300 and now["figures"]["window_s"] == 60
+    figures = now["figures"]["versions"][live]
+    assert figures["requests"] >= sent and figures["errors"] == 0, figures
+    assert direct["figures"]["versions"][live]["requests"] >= figures["requests"]
+    # The aliases as MLflow resolves them; `live` is the version the route serves.
+    assert client.get_model_version_by_alias(name, registry.LIVE).version == live
+    for alias in (registry.CHAMPION, registry.LIVE, registry.CHALLENGER):
+        found = registry.resolve_alias(client, name, alias)
+        assert now["aliases"][alias] == (found.version if found else None), alias
+    # The last five rollout verdicts, newest first, as each version's tags give them.
+    tagged = [
+        (tags["at"], str(v), tags)
+        for v in range(1, VERSIONS + 1)
+        if "verdict" in (tags := verdict(serving, v))
+    ]
+    expected = [
+        {
+            "version": version,
+            "verdict": tags["verdict"],
+            "stage": tags.get("stage"),
+            "reason": tags.get("reason"),
+            "route": tags.get("route"),
+            "at": at,
+            "flow_run_id": tags.get("flow_run_id") or None,
+        }
+        for at, version, tags in sorted(tagged, key=lambda t: t[:2], reverse=True)[:5]
+    ]
+    assert now["verdicts"] == expected and expected and "mlflow_error" not in now
+
+    assert status_command.main(args) == 0
+    table = capsys.readouterr().out
+    assert f"live       v{live}  (app {now['live']['app']}" in table
+    row = re.search(rf"^{live}\s+live\s+(\d+)\s+0\s+0\.00%", table, re.MULTILINE)
+    assert row and int(row.group(1)) >= sent, table
+    newest = expected[0]
+    assert re.search(rf"^{newest['version']}\s+{newest['verdict']}\s", table, re.MULTILINE), table
+
+
+@pytest.mark.parametrize("answer", [None, (404, b"no such route"), (200, b'{"ok": true}')])
+def test_the_status_command_exits_2_where_no_router_answers(answer, capsys):
+    """Nothing listening (a closed port), a 404, or a JSON that is not a router's status."""
+    import http.server
+    import socket
+
+    from deployments import status as status_command
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(answer[0])
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(answer[1])
+
+        def log_message(self, *args):
+            pass
+
+    if answer is None:
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            port = closed.getsockname()[1]
+        server = None
+    else:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+        port = server.server_address[1]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        code = status_command.main(["--url", f"http://127.0.0.1:{port}/policy", "--json"])
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    expected = "nothing answers at" if answer is None else "is not a route"
+    assert expected in captured.err and f"127.0.0.1:{port}/policy" in captured.err

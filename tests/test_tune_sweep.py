@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import glob
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,11 +16,13 @@ from pathlib import Path
 
 import gymnasium as gym
 import pytest
+from chart_checks import png_size, synthetic_chart, synthetic_sweep
 from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
 from prefect.states import Cancelling, Crashed
 from pydantic import ValidationError
 
 from flows.tune_sweep import tune_sweep
+from tasks.sweep_chart import EARLY_LABEL, STOPPED_EARLY, draw_sweep
 from tasks.tune_config import SweepConfig
 from workloads import rllib
 
@@ -172,6 +177,131 @@ def test_a_checkpoint_on_remote_storage_is_copied_here_once(tmp_path):
     assert (Path(copy) / "state.pkl").read_bytes() == b"weights"  # downloaded once
 
 
+def test_the_sweep_chart_draws_one_line_per_trial_and_marks_where_asha_stopped(tmp_path):
+    trials, curves, best, evaluation = synthetic_sweep()
+    figure = draw_sweep(
+        trials, curves, best, evaluation, rllib.RETURN_METRIC, experiment="/x/run/sweep"
+    )
+    by_steps, by_iteration = figure.axes
+    assert "/x/run/sweep" in figure.get_suptitle()
+    for axes, x, scale in [(by_steps, "env_steps", 1000), (by_iteration, "iteration", 1)]:
+        lines = {line.get_gid(): line for line in axes.get_lines() if line.get_gid()}
+        drawn = sorted(gid for gid in lines if gid.startswith("trial:"))
+        assert drawn == sorted(f"trial:{t.trial_id}" for t in trials)  # one line per trial
+        for t in trials:
+            line = lines[f"trial:{t.trial_id}"]
+            assert list(line.get_xdata()) == [p[x] for p in curves[t.trial_id]]
+            assert list(line.get_ydata()) == [p["return"] for p in curves[t.trial_id]]
+        assert lines[f"trial:{best}"].get_linewidth() > lines["trial:aaaaa_00001"].get_linewidth()
+        # One "x" at the last point of each trial ASHA stopped: iterations 2 and 4 ...
+        early = lines["stopped-early"]
+        assert early.get_marker() == "x" and early.get_linestyle() == "None"
+        assert sorted(zip(early.get_xdata(), early.get_ydata(), strict=True)) == [
+            (2 * scale, 30.0),
+            (4 * scale, 130.0),
+        ]
+        # ... the failed trial's last point marked otherwise, its line dashed.
+        failed = lines["failed"]
+        assert failed.get_marker() == "s"
+        assert list(zip(failed.get_xdata(), failed.get_ydata(), strict=True)) == [(3 * scale, 70.0)]
+        assert lines["trial:aaaaa_00003"].get_linestyle() == "--"
+        # The winner's held-out evaluation: mean ± std at its last point, and a reference line.
+        assert list(lines["evaluation"].get_xdata()) == [6 * scale]
+        assert list(lines["evaluation"].get_ydata()) == [480.0]
+        (container,) = axes.containers
+        (bars,) = container.lines[2]
+        assert [list(point) for point in bars.get_segments()[0]] == [
+            [6 * scale, 460.0],
+            [6 * scale, 500.0],
+        ]
+        assert list(lines["eval-mean"].get_ydata()) == [480.0, 480.0]
+    legend = [text.get_text() for text in by_steps.get_legend().get_texts()]
+    assert EARLY_LABEL in legend
+    assert any(label.startswith("aaaaa_00000 lr=0.0003 (best)") for label in legend)
+    assert any("480.0 ± 20.0 (5 episodes)" in label for label in legend)
+
+    width, height = png_size(synthetic_chart(tmp_path / "chart.png").read_bytes())
+    assert 600 <= width <= 3000 and 600 <= height <= 3000
+
+
+def test_a_trials_curve_and_why_it_stopped_come_from_its_results():
+    import pandas as pd
+
+    from tasks import tune
+    from tasks.tune_config import SchedulerSettings
+
+    frame = pd.DataFrame(
+        {
+            "training_iteration": [1, 2, 2, 3, 4],
+            rllib.ENV_STEPS_METRIC: [100, 200, 200, 300, 400],
+            rllib.RETURN_METRIC: [math.nan, 20.0, 21.0, math.inf, 40.0],
+        }
+    )
+    # No episode finished in iteration 1, none finite in 3; a resumed trial's repeated
+    # iteration 2 counts once, as last reported.
+    assert tune._curve(frame, rllib.RETURN_METRIC) == [
+        {"iteration": 2, "env_steps": 200, "return": 21.0},
+        {"iteration": 4, "env_steps": 400, "return": 40.0},
+    ]
+    assert tune._curve(None, rllib.RETURN_METRIC) == []
+    assert tune._curve(frame, "no/such_metric") == []
+
+    asha = tiny(
+        scheduler={"kind": "asha", "max_iterations": 8},
+        stop={"training_iterations": 8, "episode_return": 450, "env_steps": None},
+    )
+
+    def stopped(iterations, ret=100.0, sweep=asha, early=(), budget=False, errored=False):
+        metrics = {"training_iteration": iterations, "env_runners": {"episode_return_mean": ret}}
+        return tune._stopped(sweep, "t1", errored, metrics, set(early), budget)
+
+    assert stopped(3, errored=True) == "error"
+    assert stopped(3, ret=460.0) == "stop condition (episode_return)"
+    assert stopped(8) == "stop condition (training_iterations)"
+    assert stopped(3, early={"t1"}) == STOPPED_EARLY
+    assert stopped(3, budget=True) == "sweep time budget"
+    assert stopped(3) == STOPPED_EARLY  # not recorded (a resume): only ASHA stops it short
+    assert tune._stopped(asha, "t1", False, {}, set(), False) == "no results"
+    no_limit = tiny(
+        scheduler={"kind": "asha", "max_iterations": 8}, stop={"training_iterations": None}
+    )
+    assert stopped(8, sweep=no_limit) == "max iterations"
+    fifo = tiny(stop={"training_iterations": None, "trial_seconds": 60})
+    assert stopped(3, sweep=fifo, budget=True) == "sweep time budget"
+    assert stopped(3, sweep=fifo) == "completed"
+
+    # The scheduler records whom it cut before max_iterations (not those at max_iterations),
+    # in the sweep this thread drives; the copy Tune pickles with the experiment too.
+    import ray.cloudpickle
+
+    class Trial:
+        def __init__(self, trial_id):
+            self.trial_id = trial_id
+
+    scheduler = ray.cloudpickle.loads(
+        ray.cloudpickle.dumps(
+            tune._asha(SchedulerSettings(max_iterations=3, grace_period=1, reduction_factor=2))
+        )
+    )
+    scheduler.set_search_properties("score", "max")
+    good, bad = Trial("good"), Trial("bad")
+    scheduler.on_trial_add(None, good)
+    scheduler.on_trial_add(None, bad)
+    recording = tune._EARLY_STOPS.set(set())
+    try:
+        decisions = [
+            (
+                scheduler.on_trial_result(None, good, {"training_iteration": i, "score": 10.0}),
+                scheduler.on_trial_result(None, bad, {"training_iteration": i, "score": 1.0}),
+            )
+            for i in (1, 3)
+        ]
+        assert decisions == [("CONTINUE", "STOP"), ("STOP", "STOP")]
+        assert tune._EARLY_STOPS.get() == {"bad"}
+    finally:
+        tune._EARLY_STOPS.reset(recording)
+
+
 # --- against the session's Ray head --------------------------------------------------------
 
 
@@ -250,9 +380,39 @@ def test_two_trial_sweep_finishes_and_its_checkpoint_loads_and_acts(
     best_md = artifacts["tune-sweep-best"].data
     assert result.metrics["trial_id"] in best_md and result.experiment_path in best_md
     assert stack.ray_dashboard_url.removeprefix("http://") in best_md
+    assert {row["stopped"] for row in table} == {"stop condition (training_iterations)"}
+
+    # Why each trial stopped agrees with how long it ran: both met the iteration limit first.
+    max_iterations = SweepConfig(scheduler={"kind": "asha"}).scheduler.max_iterations
+    for t in result.trials:
+        assert t.stopped == "stop condition (training_iterations)"
+        assert t.stopped != STOPPED_EARLY or t.iterations < max_iterations
+    # The chart's data: every trial's curve, a point per iteration 1..n.
+    assert set(result.curves) == {t.trial_id for t in result.trials}
+    for t in result.trials:
+        points = result.curves[t.trial_id]
+        lines = result_lines(Path(t.checkpoint).parent)
+        assert [p["iteration"] for p in points] == list(range(1, t.iterations + 1))
+        assert [p["env_steps"] for p in points] == [256, 512]
+        assert [p["return"] for p in points] == [
+            line["env_runners"]["episode_return_mean"] for line in lines
+        ]
+        assert max(p["return"] for p in points) == t.best_return
+    # The chart: a PNG next to the experiment, shown on the flow run as the same bytes.
+    chart = Path(result.chart_path)
+    assert chart == tmp_path / flow_run_id / "sweep.png"
+    png = chart.read_bytes()
+    width, height = png_size(png)
+    assert 600 <= width <= 3000 and 600 <= height <= 3000
+    chart_md = artifacts["tune-sweep-chart"]
+    assert chart_md.type == "markdown"
+    embedded = re.search(r"!\[[^]]*\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", chart_md.data)
+    assert embedded and base64.b64decode(embedded.group(1)) == png
 
 
-def test_a_failing_trial_is_retried_up_to_max_failures_then_fails_the_flow(stack, tmp_path):
+def test_a_failing_trial_is_retried_up_to_max_failures_then_fails_the_flow(
+    stack, tmp_path, prefect_client
+):
     survived = tmp_path / "survived"
     result = tune_sweep(
         sweep=tiny(
@@ -283,6 +443,14 @@ def test_a_failing_trial_is_retried_up_to_max_failures_then_fails_the_flow(stack
             storage_root=str(tmp_path / "b"),
         )
     assert len(list(beyond.glob("failure-*"))) == 2  # the first try and its one retry
+    # The failed sweep still has its chart, and says why it failed.
+    (run_folder,) = (tmp_path / "b").iterdir()
+    png_size((run_folder / "sweep.png").read_bytes())
+    (chart_md,) = prefect_client.read_artifacts(
+        artifact_filter=ArtifactFilter(key={"any_": ["tune-sweep-chart"]}),
+        flow_run_filter=FlowRunFilter(id={"any_": [run_folder.name]}),
+    )
+    assert "The sweep failed: trial" in chart_md.data
 
 
 RUN_EXISTING_FLOW_RUN = """

@@ -143,8 +143,19 @@ def remove_alias(client: MlflowClient, name: str, alias: str) -> None:
 def tag_verdict(
     client: MlflowClient, name: str, version: str, stage: str, verdict: Mapping[str, Any]
 ) -> None:
-    """Record a gate's verdict on a version: `lifecycle.<stage>.<key>` tags."""
-    for key, value in verdict.items():
+    """Record a gate's verdict on a version: `lifecycle.<stage>.<key>` tags. A verdict (a
+    `verdict` key) replaces the previous one whole (no stale `stage` or `reason` of an older
+    verdict stays behind) and gets `lifecycle.<stage>.at`, when it was given (UTC, ISO 8601):
+    MLflow does not move a version's last_updated_timestamp for a tag."""
+    stamped = dict(verdict)
+    prefix = f"{TAG}.{stage}."
+    if "verdict" in stamped:
+        if not stamped.get("at"):
+            stamped["at"] = datetime.now(UTC).isoformat(timespec="milliseconds")
+        for key in client.get_model_version(name, version).tags:
+            if key.startswith(prefix) and key.removeprefix(prefix) not in stamped:
+                client.delete_model_version_tag(name, version, key)
+    for key, value in stamped.items():
         text = value if isinstance(value, str) else json.dumps(value)
         client.set_model_version_tag(name, version, f"{TAG}.{stage}.{key}", text[:5000])
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from workloads.constants import SERVE_NAMESPACE
-from workloads.figures import summarize
+from workloads.figures import percentile, summarize
 
 if TYPE_CHECKING:
     from workloads.router_config import RolloutRecord
@@ -28,6 +28,7 @@ __all__ = [
     "drop_route_state",
     "lease_of",
     "route_figures",
+    "route_series",
     "route_state",
     "route_state_name",
 ]
@@ -78,6 +79,34 @@ class RouteState:
             version: {**summarize(requests, errors, latencies), "fallbacks": fallbacks}
             for version, (requests, errors, fallbacks, latencies) in grouped.items()
         }
+
+    def series(
+        self, since: float, until: float | None = None, bucket_s: float = 1.0
+    ) -> dict[str, list[dict[str, Any]]]:
+        """Per version, in time order, one point per `bucket_s` in which it was served: `at`
+        (the bucket's start, time.time()), requests, requests_per_s, errors, error_rate and
+        p99_ms, over reports made in [since, until]."""
+        until = until if until is not None else time.time() + 1
+        buckets: dict[tuple[str, int], list] = {}
+        for at, version, requests, errors, _fallbacks, latencies in self.windows:
+            if since <= at <= until:
+                entry = buckets.setdefault((version, int((at - since) // bucket_s)), [0, 0, []])
+                entry[0] += requests
+                entry[1] += errors
+                entry[2].extend(latencies)
+        series: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for (version, index), (requests, errors, latencies) in sorted(buckets.items()):
+            series[version].append(
+                {
+                    "at": since + index * bucket_s,
+                    "requests": requests,
+                    "requests_per_s": requests / bucket_s,
+                    "errors": errors,
+                    "error_rate": errors / requests if requests else 0.0,
+                    "p99_ms": percentile(latencies, 0.99),
+                }
+            )
+        return dict(series)
 
     def claim(self, holder: str, lease_s: float, info: dict[str, Any]) -> dict[str, Any]:
         """Take (or keep) the route for `holder` when it is free, lapsed or already
@@ -168,6 +197,11 @@ class RouteStateClient:
             and time.monotonic() - self.lease_seen_at < LEASE_STALE_S
         )
 
+    async def summary(self, since: float, timeout_s: float) -> dict[str, dict[str, Any]]:
+        """The route's per-version figures since `since` (time.time()), as every replica
+        reported them; raises when the route's state does not answer within `timeout_s`."""
+        return await asyncio.wait_for(self._actor().summary.remote(since), timeout_s)
+
     def _actor(self) -> Any:
         if self.actor is None:
             self.actor = route_state(self.route)
@@ -199,6 +233,19 @@ def route_figures(route: str, since: float, until: float | None = None) -> dict[
     if actor is None:
         return {}
     return ray.get(actor.summary.remote(since, until), timeout=10)
+
+
+def route_series(
+    route: str, since: float, until: float | None = None, points: int = 240
+) -> dict[str, list[dict[str, Any]]]:
+    """Per-version request figures over time (see RouteState.series), in about `points`
+    buckets of at least a second; empty when the route has no state. Kept FIGURES_KEEP_S."""
+    actor = route_state(route, create=False)
+    if actor is None:
+        return {}
+    span = (until if until is not None else time.time()) - since
+    bucket_s = max(1.0, span / max(points, 1))
+    return ray.get(actor.series.remote(since, until, bucket_s), timeout=10)
 
 
 def lease_of(route: str) -> dict[str, Any] | None:

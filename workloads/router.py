@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import threading
 import time
 from typing import Any
@@ -32,21 +33,25 @@ from workloads.constants import FALLBACK_HEADER, ROUTER_DEPLOYMENT
 from workloads.http import (
     MAX_BODY_BYTES,
     BadRequest,
+    describe,
     json_response,
     parse_json,
     request_dict,
     tagged_headers,
     to_response,
 )
-from workloads.route_state import RouteStateClient
+from workloads.route_state import FIGURES_KEEP_S, RouteStateClient
 from workloads.router_config import RouterConfig, Target
 from workloads.serving import ModelSpec, PolicyCore
 
-__all__ = ["Router", "build_router_app"]
+__all__ = ["Router", "build_router_app", "status_window"]
 
 logger = logging.getLogger("ray.serve")
 
 FALLBACK_SHARE = 0.5  # of the request's timeout, left for the fallback attempt
+STATUS_WINDOW_S = 300  # the figures `GET <route>/-/status` reports: the last 5 minutes
+MAX_STATUS_WINDOW_S = int(FIGURES_KEEP_S)  # what the route's state keeps
+FIGURES_TIMEOUT_S = 2.0  # status answers without figures rather than wait longer
 
 
 @serve.deployment(name=ROUTER_DEPLOYMENT, max_ongoing_requests=64, health_check_period_s=5.0)
@@ -137,12 +142,14 @@ class Router:
             return 0.0
         return config.candidate_weight
 
-    async def status(self) -> dict[str, Any]:
-        """What this replica serves now."""
+    async def status(self, window_s: int | None = None) -> dict[str, Any]:
+        """What this replica serves now; with `window_s`, also the route's per-version
+        figures over the last `window_s` seconds (every replica's reports)."""
         self._start_background()
         config, inline = self.config, self.inline
         share = self.candidate_share(config)
         lapsed = config.candidate is not None and share == 0.0
+        extra = {} if window_s is None else {"figures": await self._figures(window_s)}
         return {
             "route": self.route,
             "config": config.as_dict(),
@@ -161,7 +168,20 @@ class Router:
             "loading": self.loading,
             "load_error": self.load_error,
             "rejected_config": self.rejected_config,
+            **extra,
         }
+
+    async def _figures(self, window_s: int) -> dict[str, Any]:
+        """{"window_s", "versions": {version: summary}}; with "error" and no versions when
+        the route's state did not answer in time (status never fails for it)."""
+        figures: dict[str, Any] = {"window_s": window_s, "versions": {}}
+        try:
+            figures["versions"] = await self.state.summary(
+                time.time() - window_s, FIGURES_TIMEOUT_S
+            )
+        except Exception as error:
+            figures["error"] = f"route state unreachable: {type(error).__name__}: {error}"[:300]
+        return figures
 
     def check_health(self) -> None:
         pass  # the router holds no model it cannot do without; targets have their own checks
@@ -169,7 +189,11 @@ class Router:
     async def __call__(self, request: Any) -> Any:
         self._start_background()
         if request.method == "GET" and request.url.path.rstrip("/").endswith("/-/status"):
-            return to_response(json_response(200, await self.status()))
+            try:
+                window_s = status_window(request.query_params.getlist("window_s"))
+            except BadRequest as error:
+                return to_response(json_response(error.status, {"error": error.message}))
+            return to_response(json_response(200, await self.status(window_s)))
         started = time.perf_counter()
         req = await request_dict(request, self.max_body_bytes)
         config = self.config
@@ -317,6 +341,20 @@ def _cancel(call: Any) -> None:
 
 def _ms_since(started: float) -> float:
     return (time.perf_counter() - started) * 1000
+
+
+def status_window(values: list[str]) -> int:
+    """The figures window of `GET <route>/-/status?window_s=N`: whole seconds within
+    [1, MAX_STATUS_WINDOW_S], STATUS_WINDOW_S when not given; a 400 for anything else."""
+    if not values:
+        return STATUS_WINDOW_S
+    expected = f"a whole number of seconds from 1 to {MAX_STATUS_WINDOW_S}"
+    if len(values) > 1:
+        raise BadRequest(400, f"window_s is given {len(values)} times; give it once: {expected}")
+    value = values[0]
+    if not re.fullmatch(r"[0-9]{1,6}", value) or not 1 <= int(value) <= MAX_STATUS_WINDOW_S:
+        raise BadRequest(400, f"window_s must be {expected}, got {describe(value)}", "window_s")
+    return int(value)
 
 
 def _wants_stream(req: dict[str, Any]) -> bool:
