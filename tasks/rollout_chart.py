@@ -79,26 +79,36 @@ def draw_rollout(data: dict[str, Any]) -> Figure:
     rate.set_ylim(bottom=0)
     errors.set_ylim(bottom=0)
 
+    marks = [
+        (m["at"] - started, f"{m['stage']}: {m['outcome']}", m["outcome"] in FAILED_OUTCOMES)
+        for m in data["stages"]
+    ]
+    end = max([at for at, _, _ in marks] + [rate.get_xlim()[1], 1.0])
     for axes in (rate, errors, p99):
-        previous = 0.0
-        for mark in data["stages"]:
-            at = mark["at"] - started
-            failed = mark["outcome"] in FAILED_OUTCOMES
+        for at, _, failed in marks:
             axes.axvline(at, color="red" if failed else "black", linewidth=0.8, alpha=0.6)
-            if axes is rate:
-                axes.annotate(
-                    f"{mark['stage']}: {mark['outcome']}",
-                    xy=(at, 1.0),
-                    xycoords=("data", "axes fraction"),
-                    rotation=60,
-                    fontsize=7,
-                    va="bottom",
-                    ha="left",
-                    color="red" if failed else "black",
-                )
-            previous = at
-        axes.set_xlim(left=0, right=max(previous, axes.get_xlim()[1]))
+        axes.set_xlim(0, end)
         axes.grid(alpha=0.3)
+    for at, label, failed in _grouped(marks, end * 0.025):
+        rate.annotate(
+            label,
+            xy=(at, 1.0),
+            xycoords=("data", "axes fraction"),
+            rotation=60,
+            fontsize=7,
+            va="bottom",
+            ha="left",
+            color="red" if failed else "black",
+        )
+    if not any(data["series"].values()):
+        rate.text(
+            0.5,
+            0.5,
+            "no requests through the router during this rollout",
+            transform=rate.transAxes,
+            ha="center",
+            color="gray",
+        )
     rate.set_ylabel("requests/s")
     errors.set_ylabel("error rate")
     p99.set_ylabel("p99 (ms)")
@@ -108,3 +118,16 @@ def draw_rollout(data: dict[str, Any]) -> Figure:
             axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     figure.suptitle(data["title"])
     return figure
+
+
+def _grouped(marks: list[tuple[float, str, bool]], within: float) -> list[tuple[float, str, bool]]:
+    """Stage labels closer than `within` seconds to the previous one share one label, so
+    stages that ended together (health then smoke) stay readable."""
+    groups: list[tuple[float, str, bool]] = []
+    for at, label, failed in marks:
+        if groups and at - groups[-1][0] < within:
+            first, text, any_failed = groups[-1]
+            groups[-1] = (first, f"{text}, {label}", any_failed or failed)
+        else:
+            groups.append((at, label, failed))
+    return groups

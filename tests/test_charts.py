@@ -64,10 +64,26 @@ def test_the_rollout_chart_draws_each_version_stage_and_threshold(tmp_path):
     assert 800 <= width <= 3000 and 500 <= height <= 3000
 
 
-def test_a_chart_without_traffic_still_draws_its_stages():
+def test_a_chart_without_traffic_still_draws_its_stages_and_says_so():
     data = {**rollout_data(), "series": {}, "live": None}
-    figure = draw_rollout(data)
-    assert [text.get_text() for text in figure.axes[0].texts][-1] == "canary 30%: failed"
+    texts = [text.get_text() for text in draw_rollout(data).axes[0].texts]
+    assert texts == [
+        "health: passed",
+        "smoke: passed",
+        "canary 30%: failed",
+        "no requests through the router during this rollout",
+    ]
+
+
+def test_stages_that_ended_together_share_one_label():
+    stages = [
+        {"at": T0 + 15.1, "stage": "health", "outcome": "passed"},
+        {"at": T0 + 15.2, "stage": "smoke", "outcome": "passed"},
+        {"at": T0 + 20.0, "stage": "router", "outcome": "created"},
+    ]
+    figure = draw_rollout({**rollout_data(), "stages": stages})
+    labels = [text.get_text() for text in figure.axes[0].texts]
+    assert labels == ["health: passed, smoke: passed", "router: created"]
 
 
 def test_artifact_keys_are_what_prefect_accepts():
