@@ -15,6 +15,7 @@ from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, field_validator
 
 from workloads.constants import PROJECT_NAMESPACE, PROJECT_ROOT
+from workloads.ray_shutdown import wait_for_shutdown
 
 # Shipped to every Ray worker through runtime_env py_modules, so a separate cluster can
 # import the tasks, runner functions and workloads the flow process pickles by reference.
@@ -246,6 +247,7 @@ class RayCluster(Block):
         started. Yields the Ray context (or None when Ray was already initialised here)."""
         import ray
 
+        wait_for_shutdown()  # a connection still stopping in the background is not one
         if ray.is_initialized():
             yield None
             return

@@ -35,6 +35,7 @@ from ray_runner.logs import ChildTaskLogs
 from ray_runner.options import RAY_OPTIONS_ATTRIBUTE
 from ray_runner.settings import prefect_api_url, worker_settings_overrides
 from ray_runner.worker import run_on_ray, worker_setup_hook
+from workloads.ray_shutdown import wait_for_shutdown
 
 # Ray loads on first use (as in prefect-ray): importing a flow module must not pay for it.
 ray = lazy_import("ray")
@@ -121,6 +122,7 @@ class RayClusterTaskRunner(RayTaskRunner):
         # Prefect enters the task runner before it opens the flow run's context: the run
         # being started is read from the engine (None when not found; linked at first submit).
         self._flow_run_id = flow_run_being_started()
+        wait_for_shutdown()  # a connection still stopping in the background is not one
         if not ray.is_initialized():  # we start the Ray job
             self.init_kwargs = self._job_init_kwargs()
         super().__enter__()

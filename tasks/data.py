@@ -30,6 +30,7 @@ from workloads.data.source import (
     resolve_source,
     to_uri,
 )
+from workloads.ray_shutdown import shutdown_in_background, wait_for_shutdown
 
 
 class TooManyBadRows(RuntimeError):
@@ -148,6 +149,7 @@ def ray_job(cluster: RayCluster) -> Iterator[None]:
     end. A connection the process already has (a parent flow's) is used as it is."""
     import ray  # only on a cache miss: a cache hit never loads Ray
 
+    wait_for_shutdown()  # a connection still stopping in the background is not one
     context = FlowRunContext.get()
     flow_run_id = context.flow_run.id if context and context.flow_run else None
     if ray.is_initialized():
@@ -165,7 +167,9 @@ def ray_job(cluster: RayCluster) -> Iterator[None]:
             link_flow_run(flow_run_id, cluster, ray_context)
         yield
     finally:
-        ray.shutdown()
+        # The staged dataset is written: publishing it needs no Ray, so it does not wait the
+        # second or more a local Ray takes to stop.
+        shutdown_in_background()
 
 
 def dataset_result(plan: DatasetPlan, staged: StagedCounts) -> DatasetResult:

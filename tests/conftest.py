@@ -97,6 +97,9 @@ def no_stray_ray():
     yield
     import ray
 
+    from workloads.ray_shutdown import wait_for_shutdown
+
+    wait_for_shutdown()  # a data-prep flow's Ray stops in the background
     if ray.is_initialized():
         ray.shutdown()
         pytest.fail("the module left a Ray connection (or Ray auto-started one) behind")

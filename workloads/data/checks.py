@@ -9,6 +9,7 @@ import io
 import json
 import posixpath
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +163,25 @@ def start_checks(
         return [by_path[p] for p in paths]
 
     return gather
+
+
+def check_here(
+    filesystem: pafs.FileSystem,
+    paths: list[str],
+    file_format: str,
+    schema: dict[str, str],
+    quarantine_dir: str,
+) -> list[FileCheck]:
+    """check_file for every file in this process, a few at a time: for parquet a check reads
+    only the footer, so a Ray task per group (and the wait for its worker to start) would
+    cost more than the check."""
+    with ThreadPoolExecutor(8) as pool:
+        return list(
+            pool.map(
+                lambda path: check_file(filesystem, path, file_format, schema, quarantine_dir),
+                paths,
+            )
+        )
 
 
 def _check_group(

@@ -1,0 +1,32 @@
+"""Stopping this process's Ray connection off the critical path: a local Ray takes over a
+second to stop its processes, which the work that follows (publishing a dataset, ending the
+flow run) need not wait for. Whatever connects this process to Ray next waits for it first."""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["shutdown_in_background", "wait_for_shutdown"]
+
+_lock = threading.Lock()
+_pending: threading.Thread | None = None
+
+
+def shutdown_in_background() -> None:
+    """ray.shutdown() in a thread; returns at once. Not a daemon: the interpreter waits for
+    it at exit, so no Ray process this one started outlives it."""
+    import ray
+
+    global _pending
+    with _lock:
+        wait_for_shutdown()
+        _pending = threading.Thread(target=ray.shutdown, name="ray-shutdown")
+        _pending.start()
+
+
+def wait_for_shutdown() -> None:
+    """Block until a shutdown started by shutdown_in_background has finished (at once when
+    none is pending)."""
+    pending = _pending
+    if pending is not None and pending is not threading.current_thread():
+        pending.join()
