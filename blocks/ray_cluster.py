@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import logging
 import os
 import re
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, field_validator
@@ -23,6 +25,7 @@ PROJECT_PACKAGES = ("blocks", "flows", "tasks", "ray_runner", "workloads")
 # Never shipped with the project's packages or a runtime_env working_dir (more may be added).
 PACKAGE_EXCLUDES = ("__pycache__", "*.pyc")
 LOCAL_HOST = "127.0.0.1"
+T = TypeVar("T")
 
 _HOSTNAME = re.compile(
     r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -65,6 +68,33 @@ def parse_address(value: str) -> str:
             f"'host:port' (a `ray start --head` GCS address) or 'ray://host:port' (Ray Client)"
         )
     return address
+
+
+CLIENT_SERVER_FAILED = "Starting Ray client server failed"
+CLIENT_RETRY_PAUSE_S = 1.0
+
+
+def client_server_failed(error: BaseException) -> bool:
+    """Ray Client's head could not start this connection's own server process (seen on a
+    busy head); a second attempt gets a fresh one."""
+    return isinstance(error, ConnectionAbortedError) and CLIENT_SERVER_FAILED in str(error)
+
+
+def retry_client_start(connect: Callable[[], T], address: str, reset: Callable[[], None]) -> T:
+    """`connect()`; through Ray Client (ray://), once more after `reset()` when the head
+    failed to start the connection's server. Logged as a warning either way."""
+    try:
+        return connect()
+    except ConnectionAbortedError as error:
+        if not address.startswith("ray://") or not client_server_failed(error):
+            raise
+        logging.getLogger(__name__).warning(
+            "Ray Client at %s could not start this connection's server; trying once more",
+            address,
+        )
+        reset()
+        time.sleep(CLIENT_RETRY_PAUSE_S)
+        return connect()
 
 
 def _forget_serve_handles() -> None:
@@ -252,7 +282,11 @@ class RayCluster(Block):
             yield None
             return
         self.export_auth_token()
-        context = ray.init(self.ray_init_address, **self.init_kwargs())
+        context = retry_client_start(
+            lambda: ray.init(self.ray_init_address, **self.init_kwargs()),
+            self.address,
+            ray.shutdown,
+        )
         try:
             yield context
         finally:

@@ -28,7 +28,7 @@ from prefect.utilities.importtools import lazy_import
 from prefect_ray.context import RemoteOptionsContext
 from prefect_ray.task_runners import PrefectRayFuture, RayTaskRunner
 
-from blocks.ray_cluster import RayCluster
+from blocks.ray_cluster import RayCluster, retry_client_start
 from ray_runner.contexts import ContextShipper
 from ray_runner.lineage import flow_run_being_started, job_config, link_flow_run, ray_task_name
 from ray_runner.logs import ChildTaskLogs
@@ -125,12 +125,17 @@ class RayClusterTaskRunner(RayTaskRunner):
         wait_for_shutdown()  # a connection still stopping in the background is not one
         if not ray.is_initialized():  # we start the Ray job
             self.init_kwargs = self._job_init_kwargs()
-        super().__enter__()
+        retry_client_start(super().__enter__, self.cluster.address, self._reset_start)
         self._child_logs = ChildTaskLogs.start(self._shipper.worker_settings["api"]["url"])
         self._warn_ray_client = ray.util.client.ray.is_connected()
         if self._flow_run_id is not None:
             self._link_flow_run(self._flow_run_id)
         return self
+
+    def _reset_start(self) -> None:
+        """Back to before __enter__, after a Ray Client connection that failed to start."""
+        self._started = False
+        ray.shutdown()
 
     def __exit__(self, *exc_info: Any) -> None:
         try:

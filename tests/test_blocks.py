@@ -115,3 +115,41 @@ def test_blocks_register_with_the_prefect_cli(stack, prefect_client):
     schema = prefect_client.read_block_schema_by_checksum(RayCluster._calculate_schema_checksum())
     for field in ("address", "namespace", "runtime_env", "num_cpus", "auth_token", "dashboard_url"):
         assert schema.fields["properties"][field].get("description"), field
+
+
+def test_a_ray_client_connection_whose_server_failed_to_start_is_tried_once_more(monkeypatch):
+    """Ray Client's head starts one server process per connection; on a busy head that start
+    can fail (`ConnectionAbortedError: ... Starting Ray client server failed`). Only that
+    failure, only through ray://, is tried a second time, after a reset; a second failure
+    and anything else surface as they are."""
+    from blocks import ray_cluster
+
+    monkeypatch.setattr(ray_cluster, "CLIENT_RETRY_PAUSE_S", 0.0)
+    failed = ConnectionAbortedError(
+        "Initialization failure from server:\nRuntimeError: Starting Ray client server "
+        "failed. See ray_client_server_23000.err for detailed logs."
+    )
+    calls, resets = [], []
+
+    def flaky(failures: int, error: BaseException = failed):
+        def connect():
+            calls.append(1)
+            if len(calls) <= failures:
+                raise error
+            return "connected"
+
+        return connect
+
+    address = "ray://127.0.0.1:10001"
+    assert ray_cluster.retry_client_start(flaky(1), address, lambda: resets.append(1)) == (
+        "connected"
+    )
+    assert (len(calls), len(resets)) == (2, 1)
+    for connect, where in (
+        (flaky(2), address),  # failed twice: the second failure is the answer
+        (flaky(1), "127.0.0.1:6379"),  # not Ray Client
+        (flaky(1, ConnectionAbortedError("auth failed")), address),  # another failure
+    ):
+        calls.clear()
+        with pytest.raises(ConnectionAbortedError):
+            ray_cluster.retry_client_start(connect, where, lambda: None)
