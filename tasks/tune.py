@@ -470,12 +470,16 @@ def _sweep(
                     report.chart(chart.read_bytes(), f"The sweep failed: {failure}")
                 raise
             local = tune_storage.local_checkpoint(checkpoint, flow_run_id, best.trial_id)
-            # Evaluated while Ray shuts down: it reads the checkpoint and needs no Ray.
-            evaluation = evaluator.submit(
-                contextvars.copy_context().run, _evaluate, local, sweep, evaluation_episodes
-            )
-        evaluation = evaluation.result()
-        chart = _chart(sweep, path, flow_run_id, trials, curves, best, evaluation)
+
+            def evaluate_and_draw() -> tuple[EvaluationReport, Path | None]:
+                evaluation = _evaluate(local, sweep, evaluation_episodes)
+                return evaluation, _chart(
+                    sweep, path, flow_run_id, trials, curves, best, evaluation
+                )
+
+            # Evaluated and drawn while Ray shuts down: neither needs Ray.
+            evaluated = evaluator.submit(contextvars.copy_context().run, evaluate_and_draw)
+        evaluation, chart = evaluated.result()
         if dashboard and not dashboard.startswith("http"):
             dashboard = f"http://{dashboard}"
         outcome = SweepOutcome(
