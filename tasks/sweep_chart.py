@@ -112,33 +112,37 @@ def draw_sweep(
                 early[x].append((xs[-1], ys[-1]))
 
     for axes, x in panels:
-        if early[x]:
-            axes.plot(
-                [p[0] for p in early[x]],
-                [p[1] for p in early[x]],
-                linestyle="none",
-                marker="x",
-                markersize=10,
-                markeredgewidth=2.2,
-                color="black",
-                zorder=4,
-                label=EARLY_LABEL if x == "env_steps" else None,
-                gid="stopped-early",
-            )
-        if failed[x]:
-            axes.plot(
-                [p[0] for p in failed[x]],
-                [p[1] for p in failed[x]],
-                linestyle="none",
-                marker="s",
-                markersize=8,
-                markerfacecolor="none",
-                markeredgewidth=2,
-                color="red",
-                zorder=4,
-                label=ERROR_LABEL if x == "env_steps" else None,
-                gid="failed",
-            )
+        markers = (
+            (
+                early[x],
+                EARLY_LABEL,
+                "stopped-early",
+                {"marker": "x", "markersize": 10, "markeredgewidth": 2.2, "color": "black"},
+            ),
+            (
+                failed[x],
+                ERROR_LABEL,
+                "failed",
+                {
+                    "marker": "s",
+                    "markersize": 8,
+                    "markerfacecolor": "none",
+                    "markeredgewidth": 2,
+                    "color": "red",
+                },
+            ),
+        )
+        for points, label, gid, style in markers:
+            if points:
+                axes.plot(
+                    [p[0] for p in points],
+                    [p[1] for p in points],
+                    linestyle="none",
+                    zorder=4,
+                    label=label if x == "env_steps" else None,
+                    gid=gid,
+                    **style,
+                )
         if evaluation is not None:
             mean, std = float(evaluation.mean_return), float(evaluation.std_return)
             axes.axhline(mean, color="0.3", linestyle=":", linewidth=1.2, zorder=1, gid="eval-mean")

@@ -227,7 +227,7 @@ def test_the_sweep_chart_draws_one_line_per_trial_and_marks_where_asha_stopped(t
 def test_a_trials_curve_and_why_it_stopped_come_from_its_results():
     import pandas as pd
 
-    from tasks import tune
+    from tasks import tune_trials
     from tasks.tune_config import SchedulerSettings
 
     frame = pd.DataFrame(
@@ -239,12 +239,12 @@ def test_a_trials_curve_and_why_it_stopped_come_from_its_results():
     )
     # No episode finished in iteration 1, none finite in 3; a resumed trial's repeated
     # iteration 2 counts once, as last reported.
-    assert tune._curve(frame, rllib.RETURN_METRIC) == [
+    assert tune_trials.curve(frame, rllib.RETURN_METRIC) == [
         {"iteration": 2, "env_steps": 200, "return": 21.0},
         {"iteration": 4, "env_steps": 400, "return": 40.0},
     ]
-    assert tune._curve(None, rllib.RETURN_METRIC) == []
-    assert tune._curve(frame, "no/such_metric") == []
+    assert tune_trials.curve(None, rllib.RETURN_METRIC) == []
+    assert tune_trials.curve(frame, "no/such_metric") == []
 
     asha = tiny(
         scheduler={"kind": "asha", "max_iterations": 8},
@@ -253,7 +253,7 @@ def test_a_trials_curve_and_why_it_stopped_come_from_its_results():
 
     def stopped(iterations, ret=100.0, sweep=asha, early=(), budget=False, errored=False):
         metrics = {"training_iteration": iterations, "env_runners": {"episode_return_mean": ret}}
-        return tune._stopped(sweep, "t1", errored, metrics, set(early), budget)
+        return tune_trials.stopped_because(sweep, "t1", errored, metrics, set(early), budget)
 
     assert stopped(3, errored=True) == "error"
     assert stopped(3, ret=460.0) == "stop condition (episode_return)"
@@ -261,7 +261,7 @@ def test_a_trials_curve_and_why_it_stopped_come_from_its_results():
     assert stopped(3, early={"t1"}) == STOPPED_EARLY
     assert stopped(3, budget=True) == "sweep time budget"
     assert stopped(3) == STOPPED_EARLY  # not recorded (a resume): only ASHA stops it short
-    assert tune._stopped(asha, "t1", False, {}, set(), False) == "no results"
+    assert tune_trials.stopped_because(asha, "t1", False, {}, set(), False) == "no results"
     no_limit = tiny(
         scheduler={"kind": "asha", "max_iterations": 8}, stop={"training_iterations": None}
     )
@@ -280,14 +280,16 @@ def test_a_trials_curve_and_why_it_stopped_come_from_its_results():
 
     scheduler = ray.cloudpickle.loads(
         ray.cloudpickle.dumps(
-            tune._asha(SchedulerSettings(max_iterations=3, grace_period=1, reduction_factor=2))
+            tune_trials.recording_asha(
+                SchedulerSettings(max_iterations=3, grace_period=1, reduction_factor=2)
+            )
         )
     )
     scheduler.set_search_properties("score", "max")
     good, bad = Trial("good"), Trial("bad")
     scheduler.on_trial_add(None, good)
     scheduler.on_trial_add(None, bad)
-    recording = tune._EARLY_STOPS.set(set())
+    recording = tune_trials.EARLY_STOPS.set(set())
     try:
         decisions = [
             (
@@ -297,9 +299,9 @@ def test_a_trials_curve_and_why_it_stopped_come_from_its_results():
             for i in (1, 3)
         ]
         assert decisions == [("CONTINUE", "STOP"), ("STOP", "STOP")]
-        assert tune._EARLY_STOPS.get() == {"bad"}
+        assert tune_trials.EARLY_STOPS.get() == {"bad"}
     finally:
-        tune._EARLY_STOPS.reset(recording)
+        tune_trials.EARLY_STOPS.reset(recording)
 
 
 # --- against the session's Ray head --------------------------------------------------------

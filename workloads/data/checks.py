@@ -152,7 +152,7 @@ def start_checks(
 
     # Two groups of files per CPU: files of uneven sizes still spread over every CPU.
     tasks = max(1, min(len(paths), int(ray.cluster_resources().get("CPU", 1)) * 2))
-    check = ray.remote(_check_group)
+    check = ray.remote(check_here)
     refs = [
         check.remote(filesystem, paths[i::tasks], file_format, schema, quarantine_dir)
         for i in range(tasks)
@@ -182,13 +182,3 @@ def check_here(
                 paths,
             )
         )
-
-
-def _check_group(
-    filesystem: pafs.FileSystem,
-    paths: list[str],
-    file_format: str,
-    schema: dict[str, str],
-    quarantine_dir: str,
-) -> list[FileCheck]:
-    return [check_file(filesystem, p, file_format, schema, quarantine_dir) for p in paths]
