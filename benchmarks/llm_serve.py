@@ -1,5 +1,7 @@
 """Tokens/s and latency of the vLLM app on Ray Serve: through the router (its stable route,
-forwarding by DeploymentHandle) versus straight to the app over HTTP, in the same run.
+hosting the live version's engine in its own replica as a rollout leaves it; with
+--forward, forwarding every request to the app by DeploymentHandle) versus straight to the
+app over HTTP, in the same run.
 
 Starts an embedded local Ray (or joins --address), deploys workloads.llm with a route
 (replicas under .venv-llm) and a router whose live target is that app, then sends --requests
@@ -174,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of both sides (>= 3)")
     parser.add_argument(
+        "--forward",
+        action="store_true",
+        help="the router forwards to the app instead of hosting the live version",
+    )
+    parser.add_argument(
         "--ttft-requests", type=int, default=8, help="streamed requests per side and round"
     )
     args = parser.parse_args(argv)
@@ -184,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     from deployments import local
     from tasks.serve_apps import serving_runtime_env
     from workloads import serve_control
-    from workloads.llm import deploy_llm_app
+    from workloads.llm import LLMAppArgs, deploy_llm_app
+    from workloads.llm.config import engine_runtime_env
     from workloads.router_config import RouterConfig, Target
     from workloads.tiny_llm import build_tiny_llm
 
@@ -202,19 +210,34 @@ def main(argv: list[str] | None = None) -> int:
                 serve.start(http_options={"host": local.HOST, "port": port})
             try:
                 started = time.perf_counter()
-                deploy_llm_app(
-                    app_args(model, device, args.max_model_len, args.python), name=APP_NAME
+                spec = LLMAppArgs.model_validate(
+                    app_args(model, device, args.max_model_len, args.python)
                 )
+                deploy_llm_app(spec, name=APP_NAME)
                 deploy_s = time.perf_counter() - started
                 http_port = _get_global_client().http_config.port
+                # As a rollout leaves an LLM route: the router hosts the live version in its
+                # replica (in the LLM venv, with an LLM replica's resources), or forwards.
+                host = not args.forward
+                runtime_env = serving_runtime_env(cluster)
+                if host:
+                    own = {"env_vars": runtime_env.get("env_vars", {})}
+                    runtime_env.update(engine_runtime_env(spec.engine, spec.python, own))
+                live = spec.model_copy(update={"route_prefix": None}).model_dump(mode="json")
                 router = serve_control.router_app_config(
                     ROUTER_ROUTE,
-                    RouterConfig(live=Target("bench", APP_NAME, "llm"), timeout_s=120),
-                    serving_runtime_env(cluster),
-                    {"max_ongoing_requests": 256},
+                    RouterConfig(
+                        live=Target("bench", APP_NAME, "llm", live),
+                        inline_live=host,
+                        timeout_s=120,
+                    ),
+                    runtime_env,
+                    {"max_ongoing_requests": 256, **(spec.ray_actor_options if host else {})},
                 )
                 serve_control.apply({router["name"]: router})
-                serve_control.wait_router(ROUTER_ROUTE, 0, timeout_s=120)
+                serve_control.wait_router(
+                    ROUTER_ROUTE, 0, timeout_s=300, inline_version="bench" if host else None
+                )
                 base = f"http://{local.HOST}:{http_port}"
                 runs: dict[str, list[dict]] = {"router": [], "direct": []}
                 ttft: dict[str, list[float]] = {"router": [], "direct": []}
@@ -248,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "device": device,
+                "router": "forwards" if args.forward else "hosts the live version",
                 "router_tokens_per_s": routed["tokens_per_s"],
                 "direct_tokens_per_s": direct["tokens_per_s"],
                 "ratio": round(routed["tokens_per_s"] / direct["tokens_per_s"], 3),

@@ -118,19 +118,28 @@ def registry_view(tracking_uri: str, model_name: str, limit: int = VERDICTS) -> 
     return {"aliases": aliases, "verdicts": verdicts[:limit]}
 
 
+def _source(target: dict[str, Any] | None) -> dict[str, Any]:
+    """{name, tracking_uri} of a target's registered model: a policy's spec, or an LLM's
+    app args' MLflow source (targets written by older code carry neither)."""
+    model = (target or {}).get("model") or {}
+    mlflow = model.get("mlflow") or {}
+    if mlflow:
+        return {"name": mlflow.get("model_name"), "tracking_uri": mlflow.get("tracking_uri")}
+    return {"name": model.get("name"), "tracking_uri": model.get("tracking_uri")}
+
+
 def model_of(status: dict[str, Any]) -> str | None:
-    """The registered model the router's targets name (policy targets carry their spec)."""
+    """The registered model the router's targets name."""
     config = status.get("config") or {}
     for key in ("live", "candidate", "previous"):
-        model = (config.get(key) or {}).get("model") or {}
-        if model.get("name"):
-            return str(model["name"])
+        name = _source(config.get(key))["name"]
+        if name:
+            return str(name)
     return None
 
 
 def tracking_uri_of(status: dict[str, Any]) -> str | None:
-    live = (status.get("config") or {}).get("live") or {}
-    return (live.get("model") or {}).get("tracking_uri")
+    return _source((status.get("config") or {}).get("live"))["tracking_uri"]
 
 
 def gather(

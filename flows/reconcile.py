@@ -26,7 +26,7 @@ from flows.rollout import RolloutResult, finish_interrupted, route_holder, serve
 from tasks.params import Text
 from tasks.route_claim import hold_route, mark_crashed
 from tasks.serve_apps import route_context
-from tasks.serve_config import Gates, Serving
+from tasks.serve_config import Gates, LLMServing, Serving
 from workloads import registry, serve_control
 from workloads.constants import ROUTER_DEPLOYMENT
 from workloads.convergence import Observed, Step, next_step
@@ -91,6 +91,7 @@ def reconcile(
     ray_cluster: RayCluster | None = None,
     mlflow_server: MLflowServer | None = None,
     kind: TargetKind = "policy",
+    llm: LLMServing | None = None,
 ) -> ReconcileResult:
     """Bring the route to what is wanted: finish an interrupted rollout, restore a lost or
     unhealthy route through the gates, then roll `champion` out when it differs from what is
@@ -105,6 +106,7 @@ def reconcile(
         ray_cluster: The Ray cluster that serves the route.
         mlflow_server: The MLflow server; the local one (http://127.0.0.1:5000) when empty.
         kind: What the route serves: "policy" or "llm" (for a route that must be restored).
+        llm: Engine, replicas and venv of an LLM version's app (kind "llm").
     """
     logger = get_run_logger()
     gates, serving = gates or Gates(), serving or Serving()
@@ -138,7 +140,7 @@ def reconcile(
                     if step.kind not in ACTIONS:
                         break
                     if step.kind in ("withdraw", "rebake"):
-                        ctx = route_context(route, cluster, serving, gates, claim)
+                        ctx = route_context(route, cluster, serving, gates, claim, kind, llm)
                         rollout = finish_interrupted(
                             ctx, seen.router, model_name, gates, server, url
                         )
@@ -155,6 +157,7 @@ def reconcile(
                         ray_cluster=cluster,
                         mlflow_server=server,
                         kind=kind,
+                        llm=llm,
                     )
         finally:
             if joined is not None:

@@ -101,7 +101,7 @@ def serve_rollout(
         serve_control.start(cluster.serve_host, cluster.serve_port)
         try:
             with hold_route(route, route_holder(), gates.lease_s) as claim:
-                ctx = route_context(route, cluster, serving, gates, claim)
+                ctx = route_context(route, cluster, serving, gates, claim, kind, llm)
                 result = _rollout(
                     ctx, model_name, version, gates, serving, drill, cluster, server, kind, llm
                 )
@@ -227,7 +227,7 @@ def _rollout(
                 chart_url=timeline.chart_url,
                 **result,
             )
-        inline_live = router.inline_live and live.kind == "policy"
+        inline_live = router.inline_live and ctx.hosts(live)
         for weight in gates.canary_steps:
             step = canary_step(ctx, gates, weight, live, candidate, inline_live)
             timeline.add(f"canary {weight:.0%}", "passed", step["reason"], step)

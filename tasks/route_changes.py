@@ -5,6 +5,7 @@ version after the bake, a rollback, and the withdrawal of a candidate."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -13,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.serve_apps import RouteContext
 from workloads import serve_control
 from workloads.constants import POLICY_DEPLOYMENT
-from workloads.router_config import Target
+from workloads.router_config import RouterConfig, Target
 
 __all__ = ["inject", "retire", "rollback", "rollout_stage", "swap", "withdraw"]
 
@@ -27,23 +28,33 @@ def swap(ctx: RouteContext, candidate: Target, previous: Target | None) -> dict[
     through its own app while it bakes, with the previous version kept as its fallback; a first
     rollout (no previous version) is hosted in the router's replicas at once."""
     started = time.time()
-    inline = previous is None and candidate.kind == "policy"
-    if previous is None:
-        config = ctx.config(live=candidate, inline_live=inline)
+    if previous is None and ctx.hosts(candidate):
+        written, hosted = _host(ctx, ctx.config(live=candidate, inline_live=True), candidate)
     else:
         config = ctx.config(
             live=candidate, previous=previous, rollout=ctx.record("bake", candidate.version)
         )
-    written = ctx.write(
-        config,
-        wait_s=120 if inline else 60,
-        inline_version=candidate.version if inline else None,
-    )
+        written, hosted = ctx.write(config), False
     return {
         "generation": written.generation,
         "seconds": round(time.time() - started, 2),
         "at": started,
+        "inline": hosted,
     }
+
+
+def _host(ctx: RouteContext, config: RouterConfig, live: Target) -> tuple[RouterConfig, bool]:
+    """Write `config`, which hosts `live` in the router's replicas, and wait until every
+    replica does. One that cannot (a model that will not load there, an engine that does not
+    fit) keeps forwarding to the version's app, so serving is unaffected: the router is then
+    written to forward only, and the second value says False."""
+    try:
+        return ctx.write(config, wait_s=120, inline_version=live.version), True
+    except RuntimeError as error:
+        get_run_logger().warning(
+            "router %s still forwards to v%s: %s", ctx.route, live.version, error
+        )
+        return ctx.write(replace(config, inline_live=False)), False
 
 
 @rollout_stage
@@ -59,21 +70,11 @@ def inject(app: str, faults: dict[str, Any]) -> None:
 def retire(ctx: RouteContext, live: Target, previous_app: str | None) -> dict[str, Any]:
     """After the bake: the router hosts the live version in process (no extra hop), the
     route is no longer held by a rollout, then the previous version's app is deleted."""
-    inline_ok = live.kind == "policy"  # an LLM version is always reached through its app
-    try:
-        ctx.write(
-            ctx.config(live=live, inline_live=inline_ok),
-            wait_s=120,
-            inline_version=live.version if inline_ok else None,
-        )
-    except RuntimeError as error:  # keep forwarding to the live app; serving is unaffected
-        if not inline_ok:
-            raise
-        inline_ok = False
-        get_run_logger().warning(
-            "router %s still forwards to v%s: %s", ctx.route, live.version, error
-        )
+    if ctx.hosts(live):
+        _, inline_ok = _host(ctx, ctx.config(live=live, inline_live=True), live)
+    else:
         ctx.write(ctx.config(live=live))
+        inline_ok = False
     if previous_app and previous_app != live.app:
         serve_control.apply(deletes={previous_app})
     return {"inline": inline_ok, "deleted": previous_app}
@@ -83,7 +84,7 @@ def retire(ctx: RouteContext, live: Target, previous_app: str | None) -> dict[st
 def rollback(ctx: RouteContext, previous: Target, candidate_app: str) -> dict[str, Any]:
     """Route everything back to the previous version, then delete the candidate's app."""
     started = time.time()
-    ctx.write(ctx.config(live=previous, inline_live=previous.kind == "policy"))
+    ctx.write(ctx.config(live=previous, inline_live=ctx.hosts(previous)))
     seconds = time.time() - started
     serve_control.apply(deletes={candidate_app})
     return {"seconds": round(seconds, 2)}

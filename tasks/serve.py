@@ -18,6 +18,7 @@ from tasks.serve_apps import RouteContext
 from tasks.serve_config import Gates
 from workloads import serve_control
 from workloads.canary import GateFailed, Judgement, early_failure, judge, judge_llm
+from workloads.constants import ROUTER_DEPLOYMENT
 from workloads.route_state import route_figures
 from workloads.router_config import Target
 
@@ -128,14 +129,21 @@ def _smoke_llm(target: Target, gates: Gates) -> dict[str, Any]:
     return {**figures, "reason": f"{tokens} tokens ({text[:40]!r}) in {elapsed:.0f} ms"}
 
 
-def _llm_stats(target: Target, reset: bool = False) -> dict[str, Any] | None:
-    """An LLM app's own figures (one replica's: tokens/s and time to first token)."""
+def _llm_stats(route: str, target: Target, reset: bool = False) -> dict[str, Any] | None:
+    """An LLM version's own figures (one replica's: tokens/s and time to first token): the
+    router's when it hosts the version (its app then sees no traffic), else its app's."""
     try:
-        stats = (
-            serve_control.handle(target.app, target.deployment)
-            .stats.remote(reset)
-            .result(timeout_s=30)
-        )
+        router = serve_control.handle(serve_control.router_app_name(route), ROUTER_DEPLOYMENT)
+        stats = router.llm_stats.remote(target.version, reset).result(timeout_s=30)
+    except Exception:  # a router that hosts nothing it can report on
+        stats = None
+    try:
+        if stats is None:
+            stats = (
+                serve_control.handle(target.app, target.deployment)
+                .stats.remote(reset)
+                .result(timeout_s=30)
+            )
     except Exception:
         return None
     return {
@@ -167,8 +175,8 @@ def canary_step(
     started = time.time()
     llm = candidate.kind == "llm"
     if llm:
-        _llm_stats(candidate, reset=True)
-        _llm_stats(live, reset=True)
+        _llm_stats(ctx.route, candidate, reset=True)
+        _llm_stats(ctx.route, live, reset=True)
     ctx.write(config)
     thresholds = gates.thresholds
     deadline = started + gates.canary_max_wait_s
@@ -206,8 +214,8 @@ def canary_step(
     if verdict.ok is False:
         raise GateFailed("canary", f"at {weight:.0%}: {verdict.reason}", figures)
     if llm:
-        figures["candidate_llm"] = _llm_stats(candidate)
-        figures["live_llm"] = _llm_stats(live)
+        figures["candidate_llm"] = _llm_stats(ctx.route, candidate)
+        figures["live_llm"] = _llm_stats(ctx.route, live)
         slow = judge_llm(
             figures["candidate_llm"],
             figures["live_llm"],

@@ -73,14 +73,19 @@ def version_app(
             app, spec, serving.version_options(), faults, runtime_env
         )
         return config, Target(spec["version"], app, "policy", spec), serving.health_check_period_s
-    config = llm_app_config(app, llm.app_args(mlflow_server, model_name, version), runtime_env)
-    return config, Target(str(version), app, "llm"), llm.health_check_period_s
+    args = llm.app_args(mlflow_server, model_name, version)
+    config = llm_app_config(app, args, runtime_env)
+    # The args travel in the target too: the router builds the same engine from them to host
+    # the version once it is live.
+    target = Target(str(version), app, "llm", args.model_dump(mode="json"))
+    return config, target, llm.health_check_period_s
 
 
 @dataclass(frozen=True)
 class RouteContext:
     """The route a rollout changes while it holds it: how its router is written (runtime_env,
-    router options, per-request timeout, fallback), and the claim each write is made under."""
+    router options, per-request timeout, fallback), which versions it may host in process,
+    and the claim each write is made under. `runtime_env` is the version apps'."""
 
     route: str
     runtime_env: dict[str, Any]
@@ -88,6 +93,12 @@ class RouteContext:
     timeout_s: float
     fallback: bool
     claim: RouteClaim
+    router_runtime_env: dict[str, Any] | None = None  # None: runtime_env
+    host_llm: bool = False  # whether the router hosts a live LLM version
+
+    def hosts(self, target: Target) -> bool:
+        """Whether the router hosts `target` in its replicas once it is live."""
+        return target.model is not None and (target.kind == "policy" or self.host_llm)
 
     def record(self, stage: Literal["canary", "bake"], version: str) -> RolloutRecord:
         """The router's record that this rollout holds the route, and at which stage."""
@@ -101,20 +112,39 @@ class RouteContext:
         while this rollout still holds the route."""
         self.claim.check()
         return serve_control.write_router(
-            self.route, config, self.runtime_env, self.router_options, **wait
+            self.route,
+            config,
+            self.runtime_env if self.router_runtime_env is None else self.router_runtime_env,
+            self.router_options,
+            **wait,
         )
 
 
 def route_context(
-    route: str, cluster: RayCluster, serving: Serving, gates: Any, claim: RouteClaim
+    route: str,
+    cluster: RayCluster,
+    serving: Serving,
+    gates: Any,
+    claim: RouteClaim,
+    kind: Literal["policy", "llm"] = "policy",
+    llm: LLMServing | None = None,
 ) -> RouteContext:
     """The route as a rollout holding `claim` writes it (`gates` gives the router's request
-    timeout and fallback)."""
+    timeout and fallback). An LLM route's router runs in the LLM venv when it hosts the live
+    version (`llm.host_in_router`)."""
+    runtime_env, options = serving_runtime_env(cluster), serving.router_options()
+    router_env, host_llm = runtime_env, False
+    if kind == "llm":
+        llm = llm or LLMServing()
+        router_env, options = llm.router_serving(runtime_env, options)
+        host_llm = llm.host_in_router
     return RouteContext(
         route=route,
-        runtime_env=serving_runtime_env(cluster),
-        router_options=serving.router_options(),
+        runtime_env=runtime_env,
+        router_options=options,
         timeout_s=gates.request_timeout_s,
         fallback=gates.fallback,
         claim=claim,
+        router_runtime_env=router_env,
+        host_llm=host_llm,
     )

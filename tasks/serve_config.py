@@ -10,7 +10,8 @@ from pydantic import BaseModel, Field, model_validator
 from blocks import MLflowServer
 from workloads.canary import Thresholds
 from workloads.constants import llm_python
-from workloads.llm import LLMAppArgs
+from workloads.llm import EngineSettings, LLMAppArgs
+from workloads.llm.config import engine_runtime_env
 from workloads.serving import Faults, serving_options
 
 __all__ = ["Drill", "Gates", "LLMServing", "Serving"]
@@ -184,6 +185,32 @@ class LLMServing(BaseModel):
     )
     health_check_period_s: float = Field(10.0, gt=0, description="Serve health-check period.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="Serve health-check timeout.")
+    host_in_router: bool = Field(
+        True,
+        description="Host the live version in the route's router replicas once it has passed "
+        "its gates (no extra hop for its tokens). Each router replica then runs an engine in "
+        "the LLM venv and takes an LLM replica's CPUs and GPUs; off: the router forwards every "
+        "request to the version's app.",
+    )
+
+    def router_serving(
+        self, runtime_env: dict[str, Any], router_options: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The runtime_env and options of an LLM route's router: as a policy route's unless
+        it hosts the live version, then in the LLM venv with an LLM replica's resources."""
+        if not self.host_in_router:
+            return runtime_env, router_options
+        env = engine_runtime_env(
+            EngineSettings.model_validate(self.engine),
+            llm_python(self.python),
+            {"env_vars": runtime_env.get("env_vars", {})},
+        )
+        options = {
+            **router_options,
+            "num_cpus": max(router_options.get("num_cpus", 0.0), self.num_cpus),
+            **({"num_gpus": self.num_gpus} if self.num_gpus else {}),
+        }
+        return {**runtime_env, **env}, options
 
     def app_args(self, mlflow_server: MLflowServer, model_name: str, version: str) -> LLMAppArgs:
         actor = {

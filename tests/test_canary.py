@@ -161,8 +161,20 @@ def test_a_target_kind_names_its_deployment_and_old_configs_still_parse():
     assert Target.parse(old_llm.as_dict()) == old_llm
     with pytest.raises(ValueError, match="kind"):
         Target.parse({"app": "x", "version": "1", "kind": "tts"})
-    with pytest.raises(ValueError, match="live policy target"):
+    with pytest.raises(ValueError, match="model spec"):  # nothing to build its engine from
         RouterConfig.parse({"inline_live": True, "live": old_llm.as_dict()})
+
+
+def test_an_llm_target_carries_the_app_args_the_router_hosts_it_by():
+    args = {"model": "/models/tiny", "version_label": "3", "engine": {"max_model_len": 128}}
+    live = Target.parse({"app": "chat-v3", "version": "3", "kind": "llm", "model": args})
+    # Parsed as the app parses them, so the router builds the very engine the app runs.
+    assert live.model["engine"]["max_model_len"] == 128 and live.model["warmup"] is True
+    config = RouterConfig.parse({"inline_live": True, "live": live.as_dict()})
+    assert config.inline_live and RouterConfig.parse(config.as_dict()) == config
+    for bad, field in (({"version_label": "3"}, "model source"), ({**args, "engine": 1}, "engine")):
+        with pytest.raises(ValueError, match=field):
+            Target.parse({"app": "chat-v3", "version": "3", "kind": "llm", "model": bad})
 
 
 def test_faults_and_serving_options_are_validated():

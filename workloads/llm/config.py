@@ -17,6 +17,7 @@ __all__ = [
     "EngineSettings",
     "LLMAppArgs",
     "MLflowModelSource",
+    "engine_runtime_env",
 ]
 
 # vLLM in one process (no engine-core subprocess), quiet and offline.
@@ -159,9 +160,18 @@ class LLMAppArgs(BaseModel):
     def replica_runtime_env(self) -> dict[str, Any]:
         """The replicas' runtime_env: the LLM venv's python and vLLM's environment variables,
         with `runtime_env` (its env_vars merged) over them."""
-        extra = dict(self.runtime_env)
-        env_vars = dict(REPLICA_ENV_VARS)
-        if self.engine.kv_cache_memory_bytes is None:
-            env_vars["VLLM_CPU_KVCACHE_SPACE"] = CPU_KV_CACHE_GIB
-        env_vars.update(extra.pop("env_vars", {}))
-        return {"py_executable": llm_python(self.python), **extra, "env_vars": env_vars}
+        return engine_runtime_env(self.engine, self.python, self.runtime_env)
+
+
+def engine_runtime_env(
+    engine: EngineSettings, python: str | None = None, runtime_env: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The runtime_env of a process that runs a vLLM engine (an LLM replica, or the router
+    of an LLM route that hosts its live version): the LLM venv's python and vLLM's
+    environment variables, with `runtime_env` (its env_vars merged) over them."""
+    extra = dict(runtime_env or {})
+    env_vars = dict(REPLICA_ENV_VARS)
+    if engine.kv_cache_memory_bytes is None:
+        env_vars["VLLM_CPU_KVCACHE_SPACE"] = CPU_KV_CACHE_GIB
+    env_vars.update(extra.pop("env_vars", {}))
+    return {"py_executable": llm_python(python), **extra, "env_vars": env_vars}
