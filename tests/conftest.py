@@ -37,6 +37,20 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+def pytest_collection_finish(session):
+    """Under `--dist loadgroup` pytest-xdist groups a worker's items by an `@group` suffix it
+    adds to their ids; without it every test is its own group, and both workers set up every
+    module's fixtures (pytest 9.2 with xdist 3.8 did that silently). Fail instead."""
+    if not session.config.getvalue("loadgroup") or not session.items:
+        return
+    ungrouped = [item.nodeid for item in session.items if "@" not in item.nodeid]
+    if ungrouped:
+        raise pytest.UsageError(
+            f"pytest-xdist does not see the test groups ({ungrouped[0]} has no @group): "
+            "modules would be split across workers; see the pytest pin in pyproject.toml"
+        )
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """LLM tests need the vLLM venv: skipped without it, failed without it under make test."""
