@@ -57,8 +57,7 @@ venvs:
 
 test: venvs lint
 	# A missing .venv-llm fails the LLM tests here instead of skipping them.
-	RLT_REQUIRE_LLM=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup \
-		--no-loadscope-reorder $(PYTEST_ARGS)
+	RLT_REQUIRE_LLM=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Style, formatting and the layering contracts in pyproject.toml ([tool.importlinter]).
 lint: install

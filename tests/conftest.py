@@ -25,35 +25,6 @@ REQUIRE_LLM_ENV = "RLT_REQUIRE_LLM"
 SERVICE_FIXTURES = {"stack", "prefect_api"}
 
 
-# Seconds each group took on one worker of the 2-core CI machine (make test). Groups are
-# handed to workers in this order, longest first (`--no-loadscope-reorder` in the Makefile),
-# so that no long group starts last while the other worker idles; unlisted ones go last.
-# Only an order: a wrong figure costs time, never a result.
-GROUP_SECONDS = {
-    "test_recovery": 273,
-    "test_rollout": 244,
-    "test_ray_client": 152,
-    "test_http_contract": 148,
-    "llm": 138,
-    "test_pipeline_deployment": 135,
-    "test_multinode": 115,
-    "test_route_restore": 106,
-    "test_tune_sweep": 90,
-    "test_register": 76,
-    "test_ray_connection": 73,
-    "test_data_prep": 64,
-    "test_ray_runner_worker_caches": 46,
-    "test_local_services": 31,
-    "test_webhooks": 29,
-    "test_blocks": 23,
-    "test_ray_runner_retries": 21,
-}
-
-
-def _group(item) -> str:
-    return "llm" if item.get_closest_marker("llm") else item.module.__name__.rpartition(".")[2]
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -62,15 +33,15 @@ def pytest_collection_modifyitems(config, items):
         # Under `pytest -n N --dist loadgroup` (make test) a module runs whole on one worker,
         # which has its own services; the vLLM modules share one worker, so that no two vLLM
         # engines load at once.
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
-    items.sort(key=lambda item: -GROUP_SECONDS.get(_group(item), 0))  # stable: modules stay whole
+        group = "llm" if item.get_closest_marker("llm") else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_collection_finish(session):
     """Under `--dist loadgroup` pytest-xdist groups a worker's items by an `@group` suffix it
     adds to their ids; without it every test is its own group, and both workers set up every
     module's fixtures (pytest 9.2 with xdist 3.8 did that silently). Fail instead."""
-    if not getattr(session.config.option, "loadgroup", False) or not session.items:
+    if not session.config.getvalue("loadgroup") or not session.items:
         return
     ungrouped = [item.nodeid for item in session.items if "@" not in item.nodeid]
     if ungrouped:
