@@ -190,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     from blocks import RayCluster
     from deployments import local
     from tasks.serve_apps import serving_runtime_env
+    from tasks.serve_config import LLMServing
     from workloads import serve_control
     from workloads.llm import LLMAppArgs, deploy_llm_app
-    from workloads.llm.config import engine_runtime_env
     from workloads.router_config import RouterConfig, Target
     from workloads.tiny_llm import build_tiny_llm
 
@@ -219,10 +219,14 @@ def main(argv: list[str] | None = None) -> int:
                 # As a rollout leaves an LLM route: the router hosts the live version in its
                 # replica (in the LLM venv, with an LLM replica's resources), or forwards.
                 host = not args.forward
-                runtime_env = serving_runtime_env(cluster)
-                if host:
-                    own = {"env_vars": runtime_env.get("env_vars", {})}
-                    runtime_env.update(engine_runtime_env(spec.engine, spec.python, own))
+                actor = spec.ray_actor_options
+                runtime_env, router_options = LLMServing(
+                    engine=spec.engine.model_dump(),
+                    num_cpus=actor["num_cpus"],
+                    num_gpus=actor.get("num_gpus", 0.0),
+                    python=spec.python,
+                    host_in_router=host,
+                ).router_serving(serving_runtime_env(cluster), {"max_ongoing_requests": 256})
                 live = spec.model_copy(update={"route_prefix": None}).model_dump(mode="json")
                 router = serve_control.router_app_config(
                     ROUTER_ROUTE,
@@ -232,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                         timeout_s=120,
                     ),
                     runtime_env,
-                    {"max_ongoing_requests": 256, **(spec.ray_actor_options if host else {})},
+                    router_options,
                 )
                 serve_control.apply({router["name"]: router})
                 serve_control.wait_router(

@@ -85,15 +85,16 @@ def version_app(
 class RouteContext:
     """The route a rollout changes while it holds it: how its router is written (runtime_env,
     router options, per-request timeout, fallback), which versions it may host in process,
-    and the claim each write is made under. `runtime_env` is the version apps'."""
+    and the claim each write is made under. `runtime_env` is the version apps'; the router's
+    differs on an LLM route whose router hosts the live version (the LLM venv)."""
 
     route: str
     runtime_env: dict[str, Any]
+    router_runtime_env: dict[str, Any]
     router_options: dict[str, Any]
     timeout_s: float
     fallback: bool
     claim: RouteClaim
-    router_runtime_env: dict[str, Any] | None = None  # None: runtime_env
     host_llm: bool = False  # whether the router hosts a live LLM version
 
     def hosts(self, target: Target) -> bool:
@@ -112,11 +113,7 @@ class RouteContext:
         while this rollout still holds the route."""
         self.claim.check()
         return serve_control.write_router(
-            self.route,
-            config,
-            self.runtime_env if self.router_runtime_env is None else self.router_runtime_env,
-            self.router_options,
-            **wait,
+            self.route, config, self.router_runtime_env, self.router_options, **wait
         )
 
 
@@ -141,10 +138,10 @@ def route_context(
     return RouteContext(
         route=route,
         runtime_env=runtime_env,
+        router_runtime_env=router_env,
         router_options=options,
         timeout_s=gates.request_timeout_s,
         fallback=gates.fallback,
         claim=claim,
-        router_runtime_env=router_env,
         host_llm=host_llm,
     )

@@ -202,7 +202,7 @@ class LLMServing(BaseModel):
             return runtime_env, router_options
         env = engine_runtime_env(
             EngineSettings.model_validate(self.engine),
-            llm_python(self.python),
+            self.python,
             {"env_vars": runtime_env.get("env_vars", {})},
         )
         options = {

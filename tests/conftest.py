@@ -41,7 +41,7 @@ def pytest_collection_finish(session):
     """Under `--dist loadgroup` pytest-xdist groups a worker's items by an `@group` suffix it
     adds to their ids; without it every test is its own group, and both workers set up every
     module's fixtures (pytest 9.2 with xdist 3.8 did that silently). Fail instead."""
-    if not session.config.getvalue("loadgroup") or not session.items:
+    if not getattr(session.config.option, "loadgroup", False) or not session.items:
         return
     ungrouped = [item.nodeid for item in session.items if "@" not in item.nodeid]
     if ungrouped:

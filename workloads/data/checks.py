@@ -145,9 +145,14 @@ def start_checks(
     schema: dict[str, str],
     quarantine_dir: str,
 ) -> Callable[[], list[FileCheck]]:
-    """check_file for every file as plain Ray tasks started in one go (no Prefect in their
-    workers, which the pipeline's Ray Data tasks then reuse); call the result for the checks,
-    in path order."""
+    """check_file for every file; call the result for the checks, in path order. Parquet
+    files are checked here and now (a check reads only the footer: a Ray task and the wait
+    for its worker would cost more); CSV and JSON lines, read whole, as plain Ray tasks
+    started in one go (no Prefect in their workers, which the pipeline's Ray Data tasks then
+    reuse)."""
+    if file_format == "parquet":
+        done = check_here(filesystem, paths, file_format, schema, quarantine_dir)
+        return lambda: done
     import ray  # only where Ray is initialised; the flow process plans without it
 
     # Two groups of files per CPU: files of uneven sizes still spread over every CPU.
@@ -172,9 +177,8 @@ def check_here(
     schema: dict[str, str],
     quarantine_dir: str,
 ) -> list[FileCheck]:
-    """check_file for every file in this process, a few at a time: for parquet a check reads
-    only the footer, so a Ray task per group (and the wait for its worker to start) would
-    cost more than the check."""
+    """check_file for every file in this process, a few at a time (a Ray task's body for
+    files read whole)."""
     with ThreadPoolExecutor(8) as pool:
         return list(
             pool.map(

@@ -22,7 +22,6 @@ import pyarrow.parquet as pq
 from workloads.data.checks import (
     QUARANTINE_DIR,
     QUARANTINE_SCHEMA,
-    check_here,
     quarantine_table,
     row_json,
     start_checks,
@@ -323,18 +322,13 @@ def run_pipeline(
 ) -> StagedCounts:
     """Check every file, then read, prepare and write the dataset into `staging` (train/,
     eval/, quarantine/); the Ray Data driver is the calling process, where Ray is initialised.
-    Files the per-file checks reject are left out of the read. Parquet files are checked by
-    their footers, here; CSV and JSON lines, read whole, as Ray tasks."""
+    Files the per-file checks reject are left out of the read."""
     quarantine_dir = posixpath.join(staging, QUARANTINE_DIR)
-    if spec.format == "parquet":
-        checks = check_here(filesystem, paths, spec.format, spec.schema, quarantine_dir)
-        from workloads.data.sink import SplitParquetSink
-    else:
-        checked = start_checks(filesystem, paths, spec.format, spec.schema, quarantine_dir)
-        # Loads Ray Data (once per process) while the checks run.
-        from workloads.data.sink import SplitParquetSink
+    checked = start_checks(filesystem, paths, spec.format, spec.schema, quarantine_dir)
+    # Loads Ray Data (once per process) while any Ray-task checks run.
+    from workloads.data.sink import SplitParquetSink
 
-        checks = checked()
+    checks = checked()
     paths = [c.path for c in checks if c.readable_by_pipeline]
     if paths:
         read_dataset(filesystem, paths, spec).map_batches(
