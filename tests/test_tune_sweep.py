@@ -368,7 +368,8 @@ def test_two_trial_sweep_finishes_and_its_checkpoint_loads_and_acts(
     assert env.action_space.contains(int(action))
     assert result.evaluation.episodes == 3 and len(result.evaluation.returns) == 3
     assert result.evaluation.seeds == [7 + rllib.EVAL_SEED_OFFSET + i for i in range(3)]
-    assert all(9 <= r <= 500 for r in result.evaluation.returns)  # CartPole's own bounds
+    # CartPole's own bounds: always pushing one way, the pole falls in 8 steps at the fastest.
+    assert all(8 <= r <= 500 for r in result.evaluation.returns)
 
     artifacts = {
         a.key: a
