@@ -63,7 +63,8 @@ test: venvs lint
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/lint-imports
+	# deployments/ and benchmarks/ are not installed: they import from the checkout.
+	PYTHONPATH=. $(BIN)/lint-imports
 
 up: install
 	$(BIN)/python -m deployments.local up

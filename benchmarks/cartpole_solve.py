@@ -4,7 +4,7 @@ raw RLlib `algo.train()` loop with the same config and seed, in one run.
 The flow side: one trial of the flow's default hyperparameters (no search: the default search
 space only varies the learning rate), stopped at a mean episode return of 450, the default
 env-step budget or a wall-time cap for busy machines. The raw side: the same RLlib config
-(built by workloads.rllib with the sweep's seed and hyperparameters) trained in a plain loop on
+(built by workloads.rl.rllib with the sweep's seed and hyperparameters) trained in a plain loop on
 a plain `ray.init` of the same size, stopped at the same conditions. Both are timed end to end
 (Ray start included), and both checkpoints get the flow's RLModule-only evaluation on the same
 held-out seeds. A local Prefect server is started first, outside the timing. Last line: one
@@ -25,7 +25,7 @@ TARGET_RETURN = 450.0
 
 
 def sweep_config(target_return: float, max_seconds: float):
-    from tasks.tune_config import SweepConfig
+    from prefect_ray_lifecycle.tasks.tune.config import SweepConfig
 
     return SweepConfig(
         search_space={},
@@ -36,8 +36,8 @@ def sweep_config(target_return: float, max_seconds: float):
 
 
 def run_flow(sweep, num_cpus: int, episodes: int, storage: Path) -> dict:
-    from blocks import RayCluster
-    from flows.tune_sweep import tune_sweep
+    from prefect_ray_lifecycle.blocks import RayCluster
+    from prefect_ray_lifecycle.flows.tune_sweep import tune_sweep
 
     start = time.perf_counter()
     result = tune_sweep(
@@ -62,7 +62,7 @@ def run_raw(sweep, num_cpus: int, episodes: int, storage: Path) -> dict:
     """The peer: the same config and seed, `algo.train()` until a stop condition holds."""
     import ray
 
-    from workloads import rllib
+    from prefect_ray_lifecycle.workloads.rl import rllib
 
     stop = sweep.stop
     start = time.perf_counter()
@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     # Import what both sides use before any timing: neither pays the other's imports.
     from prefect.logging.handlers import APILogWorker
 
-    import flows.tune_sweep  # noqa: F401
-    import workloads.rllib  # noqa: F401
+    import prefect_ray_lifecycle.flows.tune_sweep  # noqa: F401
+    import prefect_ray_lifecycle.workloads.rl.rllib  # noqa: F401
     from benchmarks._prefect import prefect_api
 
     sweep = sweep_config(args.target_return, args.max_seconds)

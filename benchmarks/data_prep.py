@@ -1,6 +1,6 @@
 """Data prep through the flow vs the equivalent raw Ray Data script, at two sizes, in one run.
 
-Both tokenize the same generated parquet dataset with workloads.transforms.tokenize_text on
+Both tokenize the same generated parquet dataset with workloads.data.transforms.tokenize_text on
 an embedded local Ray of the same size, timed end to end (Ray start and shutdown included in
 the raw script's time; the flow stops its Ray in the background while it publishes, so its
 time ends when the flow run does, and `flow_s_ray_stopped` adds the wait for that shutdown).
@@ -37,7 +37,7 @@ DEFAULT_LARGE_ROWS = 10_000_000
 DEFAULT_FILES = 8
 WARMUP_ROWS = 20_000
 MAX_LENGTH = 64
-TOKENIZE = "workloads.transforms:tokenize_text"
+TOKENIZE = "prefect_ray_lifecycle.workloads.data.transforms:tokenize_text"
 
 
 def generate(directory: Path, rows: int, files: int) -> None:
@@ -58,7 +58,7 @@ def generate(directory: Path, rows: int, files: int) -> None:
 def run_raw(source: Path, output: Path, num_cpus: int) -> float:
     import ray
 
-    from workloads.transforms import tokenize_text
+    from prefect_ray_lifecycle.workloads.data.transforms import tokenize_text
 
     start = time.perf_counter()
     ray.init(num_cpus=num_cpus, runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
@@ -77,7 +77,7 @@ def run_raw(source: Path, output: Path, num_cpus: int) -> float:
 
 def flow_params(source: Path, output: Path):
     """The flow's parameters for the generated dataset: the raw script's work, as a flow."""
-    from flows.data_prep import DataPrepParams
+    from prefect_ray_lifecycle.flows.data_prep import DataPrepParams
 
     return DataPrepParams(
         source=str(source),
@@ -94,9 +94,9 @@ def flow_params(source: Path, output: Path):
 def run_flow(source: Path, output: Path, num_cpus: int) -> tuple[dict[str, float], dict]:
     """The flow's wall time, split at its prepare_dataset task run's start and end; and its
     result."""
-    from blocks import RayCluster
-    from flows.data_prep import data_prep
-    from workloads.ray_shutdown import wait_for_shutdown
+    from prefect_ray_lifecycle.blocks import RayCluster
+    from prefect_ray_lifecycle.control.ray_shutdown import wait_for_shutdown
+    from prefect_ray_lifecycle.flows.data_prep import data_prep
 
     params = flow_params(source, output)
     start = time.perf_counter()
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     # Imports outside the timing, as `import ray` is for the raw script.
-    import flows.data_prep  # noqa: F401
+    import prefect_ray_lifecycle.flows.data_prep  # noqa: F401
     from benchmarks._prefect import prefect_api
 
     work = Path(tempfile.mkdtemp(prefix="bench-data-prep-"))

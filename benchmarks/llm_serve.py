@@ -187,14 +187,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray import serve
 
-    from blocks import RayCluster
     from deployments import local
-    from tasks.serve_apps import serving_runtime_env
-    from tasks.serve_config import LLMServing
-    from workloads import serve_control
-    from workloads.llm import LLMAppArgs, deploy_llm_app
-    from workloads.router_config import RouterConfig, Target
-    from workloads.tiny_llm import build_tiny_llm
+    from prefect_ray_lifecycle.blocks import RayCluster
+    from prefect_ray_lifecycle.control import serve_control
+    from prefect_ray_lifecycle.tasks.rollout.apps import serving_runtime_env
+    from prefect_ray_lifecycle.tasks.rollout.config import LLMServing
+    from prefect_ray_lifecycle.workloads.llm import LLMAppArgs, deploy_llm_app
+    from prefect_ray_lifecycle.workloads.llm.tiny import build_tiny_llm
+    from prefect_ray_lifecycle.workloads.serve.router_config import RouterConfig, Target
 
     device = detect_device() if args.device == "auto" else args.device
     workdir = Path(tempfile.mkdtemp(prefix="bench-llm-"))

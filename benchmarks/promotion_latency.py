@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from workloads.constants import PROJECT_ROOT
+from prefect_ray_lifecycle.workloads.constants import PROJECT_ROOT
 
 MODEL = "cartpole-ppo"  # the model prefect.yaml's reconcile trigger watches
 ROUTE = "policy"
@@ -60,7 +60,7 @@ def run(stack: Any, moves: int, lease_s: float) -> dict[str, Any]:
     from deployments.load import ClosedLoop
     from deployments.stack import deployed
     from deployments.watch import kill_flow_run, route_status, started_run, wait_for
-    from workloads import registry
+    from prefect_ray_lifecycle.control import registry
 
     client = MlflowClient(stack.mlflow_uri)
     with stack.ray_cluster().connect():

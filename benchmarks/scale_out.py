@@ -68,8 +68,8 @@ def cluster(state_dir: Path, head_cpus: int, worker_cpus: int = 0) -> Iterator[d
 
 def sweep(block: dict, storage: Path, iterations: int) -> float:
     from benchmarks.tune_overhead import TRIALS, sweep_config
-    from blocks import RayCluster
-    from flows.tune_sweep import tune_sweep
+    from prefect_ray_lifecycle.blocks import RayCluster
+    from prefect_ray_lifecycle.flows.tune_sweep import tune_sweep
 
     start = time.perf_counter()
     result = tune_sweep(
@@ -85,8 +85,8 @@ def sweep(block: dict, storage: Path, iterations: int) -> float:
 
 def prep(block: dict, source: Path, output: Path, rows: int) -> float:
     from benchmarks.data_prep import flow_params
-    from blocks import RayCluster
-    from flows.data_prep import data_prep
+    from prefect_ray_lifecycle.blocks import RayCluster
+    from prefect_ray_lifecycle.flows.data_prep import data_prep
 
     # A fresh output each time: the same output would be a cache hit.
     params = flow_params(source, output)
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--worker-cpus must be between 0 and --cpus")
 
     # Imports before any timing.
-    import flows.data_prep  # noqa: F401
-    import flows.tune_sweep  # noqa: F401
+    import prefect_ray_lifecycle.flows.data_prep  # noqa: F401
+    import prefect_ray_lifecycle.flows.tune_sweep  # noqa: F401
     from benchmarks._prefect import prefect_api
     from benchmarks.data_prep import generate
     from benchmarks.tune_overhead import TRIALS, drain_prefect

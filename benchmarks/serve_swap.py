@@ -22,7 +22,7 @@ import uuid
 from typing import Any
 
 from deployments.load import ClosedLoop
-from workloads.figures import percentile
+from prefect_ray_lifecycle.workloads.figures import percentile
 
 ROUTE = "bench"
 DIRECT = "bench-direct"
@@ -57,11 +57,11 @@ def run(stack, threads: int, steady_s: float, rounds: int) -> dict[str, Any]:
     from mlflow import MlflowClient
     from ray.rllib.algorithms.ppo import PPOConfig
 
-    from blocks import MLflowServer
-    from flows.rollout import RolloutFailed, serve_rollout
-    from tasks.serve_config import Drill, Gates, Serving
-    from workloads import registry, serve_control
-    from workloads.constants import POLICY_DEPLOYMENT
+    from prefect_ray_lifecycle.blocks import MLflowServer
+    from prefect_ray_lifecycle.control import registry, serve_control
+    from prefect_ray_lifecycle.flows.rollout import RolloutFailed, serve_rollout
+    from prefect_ray_lifecycle.tasks.rollout.config import Drill, Gates, Serving
+    from prefect_ray_lifecycle.workloads.constants import POLICY_DEPLOYMENT
 
     cluster = stack.ray_cluster()
     server = MLflowServer(tracking_uri=stack.mlflow_uri)

@@ -62,7 +62,7 @@ def ray_head() -> Iterator[tuple[str, str]]:
 
 
 def run(address: str, token: str, tasks: int, rounds: int) -> dict:
-    from blocks import RayCluster
+    from prefect_ray_lifecycle.blocks import RayCluster
 
     cluster = RayCluster(address=address, auth_token=token)
     cluster.export_auth_token()  # for stock prefect-ray's and the plain side's drivers
@@ -96,7 +96,7 @@ def sides(cluster, logged: dict[str, list[float]]) -> dict[str, Callable[[int], 
     from prefect.task_runners import ThreadPoolTaskRunner
     from prefect_ray import RayTaskRunner
 
-    from ray_runner import RayClusterTaskRunner
+    from prefect_ray_lifecycle.ray_runner import RayClusterTaskRunner
 
     @task
     def noop(i: int) -> int:

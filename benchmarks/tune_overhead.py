@@ -1,7 +1,7 @@
 """The same 4-trial PPO sweep as a raw Tuner script and through the tune-sweep flow, in one run.
 
 Both run on an embedded local Ray of the same size, timed end to end (Ray start included in
-both), with the same RLlib config built by workloads.rllib, FIFO scheduling and a fixed
+both), with the same RLlib config built by workloads.rl.rllib, FIFO scheduling and a fixed
 iteration budget so both do the same training. The flow adds what the raw script lacks: the
 preflight, the progress callback and its artifact, the trial table and best-trial artifacts,
 and a one-episode RLModule evaluation. A local Prefect server is started first, outside the
@@ -29,7 +29,7 @@ SEARCH_SPACE = {"lr": {"grid": [1e-4, 3e-4, 6e-4, 1e-3]}}
 
 
 def sweep_config(iterations: int):
-    from tasks.tune_config import SweepConfig
+    from prefect_ray_lifecycle.tasks.tune.config import SweepConfig
 
     return SweepConfig(
         hyperparameters=HYPERPARAMETERS,
@@ -48,8 +48,8 @@ def run_raw(storage: Path, num_cpus: int, iterations: int, via_block: bool = Fal
     import ray
     from ray import tune
 
-    from blocks import RayCluster
-    from workloads import rllib
+    from prefect_ray_lifecycle.blocks import RayCluster
+    from prefect_ray_lifecycle.workloads.rl import rllib
 
     sweep = sweep_config(iterations)
     start = time.perf_counter()
@@ -87,8 +87,8 @@ def run_flow_stages(storage: Path, num_cpus: int, iterations: int) -> dict[str, 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter
 
-    from blocks import RayCluster
-    from flows.tune_sweep import tune_sweep
+    from prefect_ray_lifecycle.blocks import RayCluster
+    from prefect_ray_lifecycle.flows.tune_sweep import tune_sweep
 
     sweep = sweep_config(iterations)
     start = time.perf_counter()
@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     # Import what both sides use before any timing: neither pays the other's imports.
-    import flows.tune_sweep  # noqa: F401
-    import workloads.rllib  # noqa: F401
+    import prefect_ray_lifecycle.flows.tune_sweep  # noqa: F401
+    import prefect_ray_lifecycle.workloads.rl.rllib  # noqa: F401
     from benchmarks._prefect import prefect_api
 
     work = Path(tempfile.mkdtemp(prefix="bench-tune-"))

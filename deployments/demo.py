@@ -25,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 from deployments import local
-from workloads.constants import PROJECT_ROOT
+from prefect_ray_lifecycle.workloads.constants import PROJECT_ROOT
 
 DEPLOYMENT = "train-and-ship/train-and-ship"
 ROUTE = "policy"
@@ -123,8 +123,8 @@ def chart_urls(mlflow_url: str, model_name: str, version: str) -> list[str]:
     """The version's charts on its MLflow run (the sweep's, each rollout's), as URLs."""
     from mlflow import MlflowClient
 
-    from blocks import MLflowServer
-    from tasks.charts import artifact_url
+    from prefect_ray_lifecycle.blocks import MLflowServer
+    from prefect_ray_lifecycle.tasks.charts import artifact_url
 
     client = MlflowClient(mlflow_url)
     run_id = client.get_model_version(model_name, version).run_id

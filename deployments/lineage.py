@@ -18,8 +18,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from tasks.params import model_version
-from workloads.constants import VERSION_HEADER
+from prefect_ray_lifecycle.tasks.params import model_version
+from prefect_ray_lifecycle.workloads.constants import VERSION_HEADER
 
 DEFAULT_OBSERVATION = [0.01, -0.02, 0.03, 0.04]  # a CartPole observation
 
@@ -51,7 +51,7 @@ def walk(
 ) -> dict[str, Any]:
     from mlflow import MlflowClient
 
-    from workloads import registry
+    from prefect_ray_lifecycle.control import registry
 
     served = ask(url) if version is None else None
     version = served["version"] if version is None else version

@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from workloads.constants import FALLBACK_HEADER, VERSION_HEADER
-from workloads.figures import percentile
+from prefect_ray_lifecycle.workloads.constants import FALLBACK_HEADER, VERSION_HEADER
+from prefect_ray_lifecycle.workloads.figures import percentile
 
 __all__ = ["OBSERVATION", "Answer", "ClosedLoop"]
 

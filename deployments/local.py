@@ -28,7 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HOST = "127.0.0.1"
-DEFAULT_STATE_DIR = Path(__file__).resolve().parent.parent / ".local"
+# deployments/ is this checkout's tooling, not part of the installed package: the services
+# it starts from other folders import it from here.
+CHECKOUT = Path(__file__).resolve().parent.parent
+DEFAULT_STATE_DIR = CHECKOUT / ".local"
 DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000, "receiver": 4210, "ray": 6379}
 RECEIVER_WEBHOOK_PATH = "/mlflow"  # where deployments.receiver takes MLflow's deliveries
 RECEIVER_HEALTH_PATH = "/health"
@@ -136,6 +139,7 @@ class Service:
             env.update(
                 PREFECT_HOME=str(self.state_dir / "prefect"),
                 PREFECT_API_URL=f"http://{HOST}:{self.prefect_port}/api",
+                PYTHONPATH=os.pathsep.join(filter(None, [str(CHECKOUT), env.get("PYTHONPATH")])),
             )
             argv = [sys.executable, "-m", "deployments.receiver", "--host", HOST]
             return [*argv, "--port", str(self.port)], env

@@ -43,10 +43,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from blocks import MLflowWebhook
 from deployments import local
 from deployments.setup import BLOCK_NAME
-from workloads.http import JSON_TYPE, BadRequest, request_dict
+from prefect_ray_lifecycle.blocks import MLflowWebhook
+from prefect_ray_lifecycle.workloads.http import JSON_TYPE, BadRequest, request_dict
 
 MAX_DELIVERY_BYTES = 256 * 1024  # MLflow's registry payloads are well under 1 KiB
 SECRET_REFRESH_S = 5.0  # a failed signature re-reads the block at most this often

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deployments import local
-from workloads.constants import PROJECT_ROOT
+from prefect_ray_lifecycle.workloads.constants import PROJECT_ROOT
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-    from blocks import MLflowWebhook
+    from prefect_ray_lifecycle.blocks import MLflowWebhook
 
 WORK_POOL = "ray-lifecycle-process"
 BLOCK_NAME = "lifecycle"  # what prefect.yaml's `$ref: {block_document_slug: ...}` name
@@ -58,7 +58,7 @@ class Environment:
     receiver_url: str | None = None  # where MLflow delivers registry webhooks; None: no webhook
 
     def ray_cluster(self):
-        from blocks import RayCluster
+        from prefect_ray_lifecycle.blocks import RayCluster
 
         return RayCluster(
             address=self.ray_address,
@@ -68,12 +68,12 @@ class Environment:
         )
 
     def mlflow_server(self):
-        from blocks import MLflowServer
+        from prefect_ray_lifecycle.blocks import MLflowServer
 
         return MLflowServer(tracking_uri=self.mlflow_uri)
 
     def mlflow_webhook(self, secret: str):
-        from blocks import MLflowWebhook
+        from prefect_ray_lifecycle.blocks import MLflowWebhook
 
         return MLflowWebhook(secret=secret, url=self.receiver_url)
 
@@ -99,7 +99,7 @@ def local_environment(
 
 def save_blocks(env: Environment) -> list[str]:
     """Register the block types and (over)write the two named blocks."""
-    from blocks import MLflowServer, RayCluster
+    from prefect_ray_lifecycle.blocks import MLflowServer, RayCluster
 
     done = []
     for block_type, block in ((RayCluster, env.ray_cluster()), (MLflowServer, env.mlflow_server())):
@@ -116,7 +116,7 @@ def ensure_webhook(env: Environment) -> list[str]:
         return []
     from mlflow.exceptions import MlflowException
 
-    from blocks import MLflowWebhook
+    from prefect_ray_lifecycle.blocks import MLflowWebhook
 
     MLflowWebhook.register_type_and_schema()
     try:
@@ -185,7 +185,7 @@ def ensure_work_pool(name: str = WORK_POOL) -> str:
 def ensure_rollout_limits(routes: tuple[str, ...] = ROUTES) -> list[str]:
     """Global concurrency limits `serve-rollout-<route>` (limit 1) that every rollout on the
     route holds, whichever deployment or flow started it."""
-    from tasks.route_claim import ensure_rollout_limit
+    from prefect_ray_lifecycle.tasks.rollout.claim import ensure_rollout_limit
 
     return [f"concurrency limit {ensure_rollout_limit(route)} (1)" for route in routes]
 

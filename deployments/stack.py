@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from deployments import local, setup
-from workloads.constants import PROJECT_ROOT
+from prefect_ray_lifecycle.workloads.constants import PROJECT_ROOT
 
 SCHEDULER_ENV = (("PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS", "2"),)
 
@@ -63,7 +63,7 @@ class Stack:
         return f"{self.receiver_url}{local.RECEIVER_WEBHOOK_PATH}"
 
     def ray_cluster(self, **fields):
-        from blocks import RayCluster
+        from prefect_ray_lifecycle.blocks import RayCluster
 
         fields.setdefault("serve_port", self.serve_port)
         return RayCluster(address=self.ray_address, auth_token=self.ray_token, **fields)

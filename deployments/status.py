@@ -30,7 +30,7 @@ DEFAULT_URL = "http://127.0.0.1:8000/policy"
 DEFAULT_MODEL = "cartpole-ppo"
 DEFAULT_MLFLOW = "http://127.0.0.1:5000"
 DEFAULT_WINDOW_S = 300
-MAX_WINDOW_S = 900  # what a route's state keeps (workloads.route_state.FIGURES_KEEP_S)
+MAX_WINDOW_S = 900  # what a route's state keeps (workloads.serve.route_state.FIGURES_KEEP_S)
 VERDICTS = 5
 NOT_A_ROUTE = 2  # exit status
 
@@ -84,7 +84,7 @@ def registry_view(tracking_uri: str, model_name: str, limit: int = VERDICTS) -> 
     rollout verdict, newest first}; {"error": ...} when MLflow could not tell."""
     from mlflow import MlflowClient
 
-    from workloads import registry
+    from prefect_ray_lifecycle.control import registry
 
     prefix = f"{registry.TAG}.rollout."
     try:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from tasks.charts import PNG_MAGIC, save_png
-from tasks.sweep_chart import STOPPED_EARLY, STOPPED_ERROR, draw_sweep
-from tasks.tune import EvaluationReport, TrialSummary
+from prefect_ray_lifecycle.tasks.charts import PNG_MAGIC, save_png
+from prefect_ray_lifecycle.tasks.tune.chart import STOPPED_EARLY, STOPPED_ERROR, draw_sweep
+from prefect_ray_lifecycle.tasks.tune.sweep import EvaluationReport, TrialSummary
 
 
 def png_size(data: bytes) -> tuple[int, int]:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from deployments.stack import Stack, environ, pointed_at, temporary_stack
-from workloads.constants import llm_python
-from workloads.rllib import module_path
+from prefect_ray_lifecycle.workloads.constants import llm_python
+from prefect_ray_lifecycle.workloads.rl.rllib import module_path
 
 # Logical CPUs of the shared test head: trials and tasks are tiny, so the 2-core CI machine
 # is oversubscribed on purpose rather than queueing every test behind one another.
@@ -111,7 +111,7 @@ def no_stray_ray():
     yield
     import ray
 
-    from workloads.ray_shutdown import wait_for_shutdown
+    from prefect_ray_lifecycle.control.ray_shutdown import wait_for_shutdown
 
     wait_for_shutdown()  # a data-prep flow's Ray stops in the background
     if ray.is_initialized():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prefect.testing.standard_test_suites import BlockStandardTestSuite
 
-from blocks import MLflowServer, MLflowWebhook, RayCluster
+from prefect_ray_lifecycle.blocks import MLflowServer, MLflowWebhook, RayCluster
 
 
 class _Standard(BlockStandardTestSuite):

@@ -9,7 +9,7 @@ import uuid
 import pytest
 from pydantic import ValidationError
 
-from blocks import MLflowServer, RayCluster
+from prefect_ray_lifecycle.blocks import MLflowServer, RayCluster
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,15 @@ def test_mlflow_session_talks_to_the_server_and_restores_the_token(stack, monkey
 
 def test_blocks_register_with_the_prefect_cli(stack, prefect_client):
     result = subprocess.run(
-        [sys.executable, "-m", "prefect", "block", "register", "-m", "blocks"],
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "block",
+            "register",
+            "-m",
+            "prefect_ray_lifecycle.blocks",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -122,7 +130,7 @@ def test_a_ray_client_connection_whose_server_failed_to_start_is_tried_once_more
     can fail (`ConnectionAbortedError: ... Starting Ray client server failed`). Only that
     failure, only through ray://, is tried a second time, after a reset; a second failure
     and anything else surface as they are."""
-    from blocks import ray_cluster
+    from prefect_ray_lifecycle.blocks import ray_cluster
 
     monkeypatch.setattr(ray_cluster, "CLIENT_RETRY_PAUSE_S", 0.0)
     failed = ConnectionAbortedError(

@@ -7,10 +7,17 @@ import re
 
 import pytest
 
-from workloads.canary import GateFailed, Judgement, Thresholds, early_failure, judge, judge_llm
-from workloads.constants import LLM_DEPLOYMENT, POLICY_DEPLOYMENT
-from workloads.router_config import RouterConfig, Target
-from workloads.serving import Faults, serving_options
+from prefect_ray_lifecycle.control.canary import (
+    GateFailed,
+    Judgement,
+    Thresholds,
+    early_failure,
+    judge,
+    judge_llm,
+)
+from prefect_ray_lifecycle.workloads.constants import LLM_DEPLOYMENT, POLICY_DEPLOYMENT
+from prefect_ray_lifecycle.workloads.serve.policy import Faults, serving_options
+from prefect_ray_lifecycle.workloads.serve.router_config import RouterConfig, Target
 
 LIVE = {"requests": 400, "errors": 0, "p99_ms": 10.0}
 

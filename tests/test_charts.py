@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import struct
 
-from tasks.charts import PNG_MAGIC, artifact_key, save_png
-from tasks.rollout_chart import draw_rollout
+from prefect_ray_lifecycle.tasks.charts import PNG_MAGIC, artifact_key, save_png
+from prefect_ray_lifecycle.tasks.rollout.chart import draw_rollout
 
 T0 = 1_700_000_000.0
 THRESHOLDS = {"max_error_rate": 0.05, "max_p99_ms": 800.0, "max_p99_ratio": 2.0, "p99_slack_ms": 50}

@@ -24,16 +24,22 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.sorting import ArtifactSort, FlowRunSort
 from prefect.states import StateType
 
-from blocks import RayCluster
-from flows.data_prep import DataPrepParams, data_prep
-from ray_runner import JOB_METADATA_FLOW_RUN_ID
-from tasks.data import TooManyBadRows, judge_bad_rows, plan_dataset
-from workloads.data.source import SourceError, resolve_source
-from workloads.data.splits import split_of
-from workloads.transforms import BOS_ID, EOS_ID, ByteTokenizer, prepare_numeric, tokenize_text
+from prefect_ray_lifecycle.blocks import RayCluster
+from prefect_ray_lifecycle.flows.data_prep import DataPrepParams, data_prep
+from prefect_ray_lifecycle.ray_runner import JOB_METADATA_FLOW_RUN_ID
+from prefect_ray_lifecycle.tasks.data.prep import TooManyBadRows, judge_bad_rows, plan_dataset
+from prefect_ray_lifecycle.workloads.data.source import SourceError, resolve_source
+from prefect_ray_lifecycle.workloads.data.splits import split_of
+from prefect_ray_lifecycle.workloads.data.transforms import (
+    BOS_ID,
+    EOS_ID,
+    ByteTokenizer,
+    prepare_numeric,
+    tokenize_text,
+)
 
 GOOD_ROWS = 1500  # per CSV file; two files
-NUMERIC = "workloads.transforms:prepare_numeric"
+NUMERIC = "prefect_ray_lifecycle.workloads.data.transforms:prepare_numeric"
 PINNED_SPLIT = ["eval"] * 3 + ["train"] * 5
 
 
@@ -248,7 +254,7 @@ def test_a_rerun_with_the_same_inputs_is_a_cache_hit_without_ray(stack, prefect_
         source=str(source),
         output=str(output),
         split_key="id",
-        transform="workloads.transforms:tokenize_text",
+        transform="prefect_ray_lifecycle.workloads.data.transforms:tokenize_text",
         transform_kwargs={"max_length": 16},
     )
     first = data_prep(params, ray_cluster=stack.ray_cluster())
@@ -370,7 +376,7 @@ def test_json_lines_with_filters_and_tokenization(stack, tmp_path):
             expected_schema={"id": "int64", "text": "string", "lang": "string"},
             required_columns=["text"],
             filters=[{"column": "lang", "op": "==", "value": "en"}],
-            transform="workloads.transforms:tokenize_text",
+            transform="prefect_ray_lifecycle.workloads.data.transforms:tokenize_text",
             transform_kwargs={"max_length": 8},
             transform_batch_format="pyarrow",
             max_bad_fraction=0.05,

@@ -83,7 +83,7 @@ def test_rollouts_queue_and_schedules_are_defined_but_off():
 
 
 def flow_of(deployment: dict):
-    return load_flow_from_entrypoint(str(PROJECT_ROOT / deployment["entrypoint"]))
+    return load_flow_from_entrypoint(deployment["entrypoint"])
 
 
 def text_parameters(flow) -> list[str]:
@@ -116,7 +116,7 @@ def test_parameters_validate_as_the_cli_and_the_ui_form_send_them(deployment, mo
 def test_a_version_parameter_takes_a_number_and_names_a_bad_one():
     from prefect.exceptions import ParameterTypeError
 
-    from flows.rollout import serve_rollout
+    from prefect_ray_lifecycle.flows.rollout import serve_rollout
 
     assert serve_rollout.validate_parameters({"version": 7})["version"] == "7"
     assert serve_rollout.validate_parameters({"version": " 07"})["version"] == "7"

@@ -30,17 +30,25 @@ from http_fuzz import (
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from workloads.constants import POLICY_DEPLOYMENT, REQUEST_ID_HEADER, VERSION_HEADER
-from workloads.http import BadRequest
-from workloads.llm.protocol import (
+from prefect_ray_lifecycle.workloads.constants import (
+    POLICY_DEPLOYMENT,
+    REQUEST_ID_HEADER,
+    VERSION_HEADER,
+)
+from prefect_ray_lifecycle.workloads.http import BadRequest
+from prefect_ray_lifecycle.workloads.llm.protocol import (
     CompletionRequest,
     bad_request_body,
     endpoint,
     generation_budget,
     parse_json_body,
 )
-from workloads.router import MAX_STATUS_WINDOW_S, STATUS_WINDOW_S, status_window
-from workloads.serving import MAX_BATCH, ModelSpec, PolicyCore
+from prefect_ray_lifecycle.workloads.serve.policy import MAX_BATCH, ModelSpec, PolicyCore
+from prefect_ray_lifecycle.workloads.serve.router import (
+    MAX_STATUS_WINDOW_S,
+    STATUS_WINDOW_S,
+    status_window,
+)
 
 VALID = json.dumps({"observation": [0.01, -0.02, 0.03, 0.04]}).encode()
 FUZZ = settings(
@@ -170,10 +178,10 @@ def route(stack, checkpoints):
     import requests
     from mlflow import MlflowClient
 
-    from blocks import MLflowServer
-    from flows.rollout import serve_rollout
-    from tasks.serve_config import Gates, Serving
-    from workloads import registry, serve_control
+    from prefect_ray_lifecycle.blocks import MLflowServer
+    from prefect_ray_lifecycle.control import registry, serve_control
+    from prefect_ray_lifecycle.flows.rollout import serve_rollout
+    from prefect_ray_lifecycle.tasks.rollout.config import Gates, Serving
 
     cluster = stack.ray_cluster()
     name = f"contract-{uuid.uuid4().hex[:6]}"
@@ -264,7 +272,7 @@ def test_a_policy_request_asking_for_a_stream_is_answered_whole(route):
 @given(request=policy_requests())
 def test_a_versions_own_app_never_answers_5xx_to_bad_input(route, request):
     """What the router sends a version's app (through its handle), fuzzed."""
-    from workloads import serve_control
+    from prefect_ray_lifecycle.control import serve_control
 
     method, content_type, body = request
     headers = {} if content_type == "missing" else {"content-type": content_type}
@@ -352,15 +360,15 @@ def test_request_ids_and_a_wrong_content_type_through_the_router(route):
 
 
 def router_replicas() -> set[str]:
-    from workloads import serve_control
-    from workloads.constants import ROUTER_DEPLOYMENT
+    from prefect_ray_lifecycle.control import serve_control
+    from prefect_ray_lifecycle.workloads.constants import ROUTER_DEPLOYMENT
 
     app = serve_control.details()["applications"][serve_control.router_app_name(ROUTE)]
     return {r["replica_id"] for r in app["deployments"][ROUTER_DEPLOYMENT]["replicas"]}
 
 
 def apply_user_config(app: str, deployment: str, user_config: dict) -> None:
-    from workloads import serve_control
+    from prefect_ray_lifecycle.control import serve_control
 
     config = serve_control.app_configs()[app]
     serve_control.apply({app: serve_control.with_user_config(config, deployment, user_config)})
@@ -379,8 +387,8 @@ def test_config_changes_reconfigure_the_router_in_place_and_a_slow_version_is_a_
     replica restart; a live version slower than the router's timeout is a JSON 504."""
     from dataclasses import replace
 
-    from workloads import serve_control
-    from workloads.constants import ROUTER_DEPLOYMENT
+    from prefect_ray_lifecycle.control import serve_control
+    from prefect_ray_lifecycle.workloads.constants import ROUTER_DEPLOYMENT
 
     router_app = serve_control.router_app_name(ROUTE)
     good = serve_control.current_router(ROUTE)

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from workloads.http import BadRequest
-from workloads.llm.protocol import (
+from prefect_ray_lifecycle.workloads.http import BadRequest
+from prefect_ray_lifecycle.workloads.llm.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     SSE_DONE,
     AnswerFormat,

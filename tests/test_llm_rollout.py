@@ -15,12 +15,12 @@ import pytest
 import requests
 from mlflow import MlflowClient
 
-from blocks import MLflowServer
-from flows.rollout import serve_rollout
-from tasks.serve_config import Gates, LLMServing, Serving
-from workloads import registry, serve_control
-from workloads.constants import LLM_DEPLOYMENT, ROUTER_DEPLOYMENT, llm_python
-from workloads.tiny_llm import build_tiny_llm
+from prefect_ray_lifecycle.blocks import MLflowServer
+from prefect_ray_lifecycle.control import registry, serve_control
+from prefect_ray_lifecycle.flows.rollout import serve_rollout
+from prefect_ray_lifecycle.tasks.rollout.config import Gates, LLMServing, Serving
+from prefect_ray_lifecycle.workloads.constants import LLM_DEPLOYMENT, ROUTER_DEPLOYMENT, llm_python
+from prefect_ray_lifecycle.workloads.llm.tiny import build_tiny_llm
 
 pytestmark = [pytest.mark.llm, pytest.mark.slow]
 

@@ -13,14 +13,14 @@ import pytest
 from http_fuzz import METHODS, assert_contract, openai_requests
 from hypothesis import HealthCheck, event, given, settings
 
-from workloads.constants import llm_python
-from workloads.llm import (
+from prefect_ray_lifecycle.workloads.constants import llm_python
+from prefect_ray_lifecycle.workloads.llm import (
     IMPORT_PATH,
     LLMAppArgs,
     build_llm_app,
     llm_app_config,
 )
-from workloads.tiny_llm import build_tiny_llm
+from prefect_ray_lifecycle.workloads.llm.tiny import build_tiny_llm
 
 pytestmark = [pytest.mark.llm, pytest.mark.slow]
 

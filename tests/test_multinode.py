@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from blocks import MLflowServer, RayCluster
 from deployments import local
-from flows.register import RegistrationRequest, register_and_promote
-from flows.tune_sweep import tune_sweep
-from tasks.register import EvaluationSummary
-from tasks.tune_config import SweepConfig
+from prefect_ray_lifecycle.blocks import MLflowServer, RayCluster
+from prefect_ray_lifecycle.flows.register import RegistrationRequest, register_and_promote
+from prefect_ray_lifecycle.flows.tune_sweep import tune_sweep
+from prefect_ray_lifecycle.tasks.register import EvaluationSummary
+from prefect_ray_lifecycle.tasks.tune.config import SweepConfig
 from tests import multinode
 from tests.multinode import WORKER_RESOURCE
 
@@ -226,9 +226,9 @@ def test_a_node_lost_during_a_canary_is_caught_by_the_gates_and_no_user_sees_it(
     from mlflow import MlflowClient
 
     from deployments.load import ClosedLoop
-    from flows.rollout import RolloutFailed, serve_rollout
-    from tasks.serve_config import Gates, Serving
-    from workloads import registry, serve_control
+    from prefect_ray_lifecycle.control import registry, serve_control
+    from prefect_ray_lifecycle.flows.rollout import RolloutFailed, serve_rollout
+    from prefect_ray_lifecycle.tasks.rollout.config import Gates, Serving
 
     route, name = "multinode", f"lost-{os.getpid()}"
     client = MlflowClient(stack.mlflow_uri)

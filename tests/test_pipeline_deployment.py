@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from blocks import MLflowServer
 from deployments import lineage as walkback
 from deployments import setup
 from deployments.stack import environment as stack_environment
-from tasks import lineage
-from workloads import registry, serve_control
+from prefect_ray_lifecycle.blocks import MLflowServer
+from prefect_ray_lifecycle.control import registry, serve_control
+from prefect_ray_lifecycle.tasks import lineage
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -392,7 +392,7 @@ def test_train_and_ship_deployments_ship_a_better_version_and_keep_live_otherwis
 def test_asset_keys_are_valid_and_name_their_objects():
     from prefect.assets import Asset
 
-    from blocks import RayCluster
+    from prefect_ray_lifecycle.blocks import RayCluster
 
     cluster = RayCluster(address="ray://10.0.0.5:10001")
     server = MLflowServer(tracking_uri="http://user@mlflow.internal:5000")

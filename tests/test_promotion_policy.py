@@ -2,7 +2,7 @@
 
 import pytest
 
-from workloads.promotion import EvalProtocol, Score, decide_promotion
+from prefect_ray_lifecycle.control.promotion import EvalProtocol, Score, decide_promotion
 
 PROTOCOL = EvalProtocol("CartPole-v1", episodes=10, seed=0)
 

@@ -12,9 +12,9 @@ import uuid
 import pytest
 from prefect.states import StateType
 
-from blocks import RayCluster
-from flows.ray_smoke import ray_smoke
-from ray_runner import RAY_CLIENT_LIMITS
+from prefect_ray_lifecycle.blocks import RayCluster
+from prefect_ray_lifecycle.flows.ray_smoke import ray_smoke
+from prefect_ray_lifecycle.ray_runner import RAY_CLIENT_LIMITS
 
 
 def test_the_smoke_flow_over_ray_client_records_its_task_runs_and_says_what_it_lacks(
@@ -67,9 +67,9 @@ def client_cluster(stack) -> RayCluster:
 def test_a_sweep_over_ray_client_runs_its_trials_on_the_cluster_and_returns_a_checkpoint(
     stack, tmp_path
 ):
-    from flows.tune_sweep import tune_sweep
-    from tasks.tune_config import SweepConfig
-    from workloads import rllib
+    from prefect_ray_lifecycle.flows.tune_sweep import tune_sweep
+    from prefect_ray_lifecycle.tasks.tune.config import SweepConfig
+    from prefect_ray_lifecycle.workloads.rl import rllib
 
     result = tune_sweep(
         sweep=SweepConfig(
@@ -96,11 +96,11 @@ def test_a_sweep_over_ray_client_runs_its_trials_on_the_cluster_and_returns_a_ch
 def test_a_rollout_over_ray_client_serves_the_version_through_the_gates(stack, checkpoints):
     from mlflow import MlflowClient
 
-    from blocks import MLflowServer
     from deployments.load import OBSERVATION
-    from flows.rollout import serve_rollout
-    from tasks.serve_config import Gates, Serving
-    from workloads import registry, serve_control
+    from prefect_ray_lifecycle.blocks import MLflowServer
+    from prefect_ray_lifecycle.control import registry, serve_control
+    from prefect_ray_lifecycle.flows.rollout import serve_rollout
+    from prefect_ray_lifecycle.tasks.rollout.config import Gates, Serving
 
     route, name = "client-test", f"client-{uuid.uuid4().hex[:6]}"
     client = MlflowClient(stack.mlflow_uri)

@@ -13,10 +13,10 @@ import pytest
 from prefect import flow, task
 from prefect.states import StateType
 
-from blocks import RayCluster
 from deployments import local
-from flows.ray_smoke import ray_smoke
-from ray_runner import RayClusterTaskRunner, ray_options
+from prefect_ray_lifecycle.blocks import RayCluster
+from prefect_ray_lifecycle.flows.ray_smoke import ray_smoke
+from prefect_ray_lifecycle.ray_runner import RayClusterTaskRunner, ray_options
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +46,15 @@ def test_a_driver_elsewhere_gets_the_project_from_py_modules_and_its_own_tempora
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
     result = subprocess.run(
-        [sys.executable, "-m", "flows.ray_smoke", "--tasks", "4", "--address", stack.ray_address],
+        [
+            sys.executable,
+            "-m",
+            "prefect_ray_lifecycle.flows.ray_smoke",
+            "--tasks",
+            "4",
+            "--address",
+            stack.ray_address,
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -233,8 +241,8 @@ def test_an_unknown_ray_option_is_rejected():
 SLEEPER_FLOW = """
 import os, sys, time
 from prefect import flow, task
-from blocks import RayCluster
-from ray_runner import RayClusterTaskRunner
+from prefect_ray_lifecycle.blocks import RayCluster
+from prefect_ray_lifecycle.ray_runner import RayClusterTaskRunner
 
 @task
 def sleeper(marker_dir: str, index: int) -> None:

@@ -11,7 +11,7 @@ import pytest
 import ray
 from prefect import flow, task
 
-from ray_runner import (
+from prefect_ray_lifecycle.ray_runner import (
     JOB_METADATA_FLOW_RUN_ID,
     RAY_DASHBOARD_ARTIFACT_KEY,
     RayClusterTaskRunner,

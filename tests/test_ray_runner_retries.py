@@ -8,7 +8,7 @@ from pathlib import Path
 from conftest import RAY_HEAD_CPUS
 from prefect import flow, task
 
-from ray_runner import RayClusterTaskRunner, ray_options
+from prefect_ray_lifecycle.ray_runner import RayClusterTaskRunner, ray_options
 
 RETRY_DELAY_S = 8
 

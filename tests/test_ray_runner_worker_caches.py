@@ -14,7 +14,7 @@ import pytest
 from prefect import flow, task
 
 from deployments import local
-from ray_runner import RayClusterTaskRunner
+from prefect_ray_lifecycle.ray_runner import RayClusterTaskRunner
 
 
 @pytest.fixture(scope="module")

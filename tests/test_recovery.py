@@ -29,7 +29,7 @@ from deployments.watch import (
     started_run,
     wait_for,
 )
-from workloads import registry, serve_control
+from prefect_ray_lifecycle.control import registry, serve_control
 
 MODEL = "cartpole-ppo"  # the model prefect.yaml's reconcile trigger watches
 ROUTE = "policy"  # the deployments' default route

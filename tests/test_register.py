@@ -16,11 +16,11 @@ from chart_checks import synthetic_chart
 from mlflow import MlflowClient
 from pydantic import ValidationError
 
-from blocks import MLflowServer
 from deployments import local
-from flows.register import RegistrationRequest, register_and_promote
-from workloads import registry
-from workloads.rllib import module_path
+from prefect_ray_lifecycle.blocks import MLflowServer
+from prefect_ray_lifecycle.control import registry
+from prefect_ray_lifecycle.flows.register import RegistrationRequest, register_and_promote
+from prefect_ray_lifecycle.workloads.rl.rllib import module_path
 
 EPISODES = 5
 

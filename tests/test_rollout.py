@@ -19,15 +19,15 @@ import requests
 from mlflow import MlflowClient
 from prefect.concurrency.sync import concurrency
 
-from blocks import MLflowServer
 from deployments.load import OBSERVATION, ClosedLoop
-from flows.reconcile import reconcile
-from flows.rollout import RolloutFailed, serve_rollout
-from tasks.charts import PNG_MAGIC, artifact_url
-from tasks.serve_config import Drill, Gates, Serving
-from workloads import registry, serve_control
-from workloads.constants import ROUTER_DEPLOYMENT
-from workloads.route_state import route_figures
+from prefect_ray_lifecycle.blocks import MLflowServer
+from prefect_ray_lifecycle.control import registry, serve_control
+from prefect_ray_lifecycle.flows.reconcile import reconcile
+from prefect_ray_lifecycle.flows.rollout import RolloutFailed, serve_rollout
+from prefect_ray_lifecycle.tasks.charts import PNG_MAGIC, artifact_url
+from prefect_ray_lifecycle.tasks.rollout.config import Drill, Gates, Serving
+from prefect_ray_lifecycle.workloads.constants import ROUTER_DEPLOYMENT
+from prefect_ray_lifecycle.workloads.serve.route_state import route_figures
 
 ROUTE = "policy-test"
 VERSIONS = 9

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from blocks import MLflowServer, RayCluster
 from deployments import local
 from deployments.load import OBSERVATION
-from flows.reconcile import reconcile
-from flows.rollout import serve_rollout
-from tasks.serve_config import Gates, Serving
-from workloads import registry
+from prefect_ray_lifecycle.blocks import MLflowServer, RayCluster
+from prefect_ray_lifecycle.control import registry
+from prefect_ray_lifecycle.flows.reconcile import reconcile
+from prefect_ray_lifecycle.flows.rollout import serve_rollout
+from prefect_ray_lifecycle.tasks.rollout.config import Gates, Serving
 
 ROUTE = "restore-test"
 GATES = Gates(

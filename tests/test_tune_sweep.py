@@ -21,10 +21,10 @@ from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
 from prefect.states import Cancelling, Crashed
 from pydantic import ValidationError
 
-from flows.tune_sweep import tune_sweep
-from tasks.sweep_chart import EARLY_LABEL, STOPPED_EARLY, draw_sweep
-from tasks.tune_config import SweepConfig
-from workloads import rllib
+from prefect_ray_lifecycle.flows.tune_sweep import tune_sweep
+from prefect_ray_lifecycle.tasks.tune.chart import EARLY_LABEL, STOPPED_EARLY, draw_sweep
+from prefect_ray_lifecycle.tasks.tune.config import SweepConfig
+from prefect_ray_lifecycle.workloads.rl import rllib
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # A PPO trial iteration of ~1 s on the shared 2-core machine.
@@ -119,8 +119,8 @@ def test_every_flow_parameter_and_setting_is_described_for_the_ui():
 
 
 def test_stop_conditions_stop_a_trial_at_the_first_one_met():
-    from tasks.tune import SweepStopper
-    from tasks.tune_config import StopConditions
+    from prefect_ray_lifecycle.tasks.tune.config import StopConditions
+    from prefect_ray_lifecycle.tasks.tune.sweep import SweepStopper
 
     stop = StopConditions(env_steps=4000, episode_return=450, trial_seconds=60)
     assert stop.criteria() == {
@@ -156,7 +156,7 @@ def test_a_checkpoint_on_remote_storage_is_copied_here_once(tmp_path):
     import pyarrow.fs
     from ray.tune import Checkpoint
 
-    from tasks import tune_storage
+    from prefect_ray_lifecycle.tasks.tune import storage as tune_storage
 
     assert (
         tune_storage.experiment_path("s3://bucket/sweeps/", "run") == "s3://bucket/sweeps/run/sweep"
@@ -227,8 +227,8 @@ def test_the_sweep_chart_draws_one_line_per_trial_and_marks_where_asha_stopped(t
 def test_a_trials_curve_and_why_it_stopped_come_from_its_results():
     import pandas as pd
 
-    from tasks import tune_trials
-    from tasks.tune_config import SchedulerSettings
+    from prefect_ray_lifecycle.tasks.tune import trials as tune_trials
+    from prefect_ray_lifecycle.tasks.tune.config import SchedulerSettings
 
     frame = pd.DataFrame(
         {
@@ -419,7 +419,7 @@ def test_a_failing_trial_is_retried_up_to_max_failures_then_fails_the_flow(
     survived = tmp_path / "survived"
     result = tune_sweep(
         sweep=tiny(
-            environment="workloads.rllib:flaky_cartpole",
+            environment="prefect_ray_lifecycle.workloads.rl.rllib:flaky_cartpole",
             env_config={"marker_dir": str(survived), "failures": 1},
             num_samples=1,
             max_failures=1,
@@ -436,7 +436,7 @@ def test_a_failing_trial_is_retried_up_to_max_failures_then_fails_the_flow(
     with pytest.raises(RuntimeError, match=r"failed after 1 retries: .*injected env failure 2"):
         tune_sweep(
             sweep=tiny(
-                environment="workloads.rllib:flaky_cartpole",
+                environment="prefect_ray_lifecycle.workloads.rl.rllib:flaky_cartpole",
                 env_config={"marker_dir": str(beyond), "failures": 3},
                 num_samples=1,
                 max_failures=1,
@@ -460,8 +460,8 @@ RUN_EXISTING_FLOW_RUN = """
 import json, sys
 from prefect.client.orchestration import get_client
 from prefect.flow_engine import run_flow
-from blocks import RayCluster
-from flows.tune_sweep import tune_sweep
+from prefect_ray_lifecycle.blocks import RayCluster
+from prefect_ray_lifecycle.flows.tune_sweep import tune_sweep
 
 flow_run_id, address, token, parameters = sys.argv[1:]
 with get_client(sync_client=True) as client:

@@ -26,10 +26,10 @@ from prefect.events.filters import EventFilter, EventIDFilter, EventResourceFilt
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from starlette.testclient import TestClient
 
-from blocks import MLflowWebhook
-from blocks.mlflow_webhook import DEFAULT_EVENTS
 from deployments import local, receiver, setup
 from deployments.stack import environment as stack_environment
+from prefect_ray_lifecycle.blocks import MLflowWebhook
+from prefect_ray_lifecycle.blocks.mlflow_webhook import DEFAULT_EVENTS
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).parent / "prefect")

@@ -1,0 +1,10 @@
+"""Prefect Blocks: connections and secrets only.
+
+Register them with `prefect block register -m blocks`.
+"""
+
+from prefect_ray_lifecycle.blocks.mlflow_server import MLflowServer
+from prefect_ray_lifecycle.blocks.mlflow_webhook import MLflowWebhook
+from prefect_ray_lifecycle.blocks.ray_cluster import RayCluster
+
+__all__ = ["MLflowServer", "MLflowWebhook", "RayCluster"]

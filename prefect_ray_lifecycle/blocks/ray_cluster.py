@@ -1,0 +1,310 @@
+"""The RayCluster block: where Ray work runs, and how this process connects to it."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from prefect.blocks.core import Block
+from pydantic import Field, SecretStr, field_validator
+
+from prefect_ray_lifecycle.control.ray_shutdown import wait_for_shutdown
+from prefect_ray_lifecycle.control.shipping import DRIVER_SIDE, RAY_SIDE, package_part
+from prefect_ray_lifecycle.workloads.constants import PROJECT_NAMESPACE
+
+# Never shipped with the project's packages or a runtime_env working_dir (more may be added).
+PACKAGE_EXCLUDES = ("__pycache__", "*.pyc")
+LOCAL_HOST = "127.0.0.1"
+T = TypeVar("T")
+
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
+
+
+def _valid_host(host: str) -> bool:
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            return ipaddress.ip_address(host).version == 6
+        except ValueError:
+            return False
+    if re.fullmatch(r"[0-9.]+", host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return False
+        return True
+    return bool(_HOSTNAME.match(host))
+
+
+def parse_address(value: str) -> str:
+    """Validate a Ray address; return it stripped. Raises ValueError naming the value."""
+    address = value.strip()
+    if address in ("", "auto"):
+        return address
+    rest = address.removeprefix("ray://")
+    host, sep, port = rest.rpartition(":")
+    if (
+        not sep
+        or not host
+        or not port.isdigit()
+        or not 0 < int(port) < 65536
+        or not _valid_host(host)
+    ):
+        raise ValueError(
+            f"address {value!r} is not a Ray address: use '' (embedded local Ray), 'auto', "
+            f"'host:port' (a `ray start --head` GCS address) or 'ray://host:port' (Ray Client)"
+        )
+    return address
+
+
+CLIENT_SERVER_FAILED = "Starting Ray client server failed"
+CLIENT_RETRY_PAUSE_S = 1.0
+
+
+def client_server_failed(error: BaseException) -> bool:
+    """Ray Client's head could not start this connection's own server process (seen on a
+    busy head); a second attempt gets a fresh one."""
+    return isinstance(error, ConnectionAbortedError) and CLIENT_SERVER_FAILED in str(error)
+
+
+def retry_client_start(connect: Callable[[], T], address: str, reset: Callable[[], None]) -> T:
+    """`connect()`; through Ray Client (ray://), once more after `reset()` when the head
+    failed to start the connection's server. Logged as a warning either way."""
+    try:
+        return connect()
+    except ConnectionAbortedError as error:
+        if not address.startswith("ray://") or not client_server_failed(error):
+            raise
+        logging.getLogger(__name__).warning(
+            "Ray Client at %s could not start this connection's server; trying once more",
+            address,
+        )
+        reset()
+        time.sleep(CLIENT_RETRY_PAUSE_S)
+        return connect()
+
+
+def _forget_serve_handles() -> None:
+    """Before leaving Ray: shut this driver's cached Serve handles down and forget the
+    controller. A live DeploymentHandle pushes metrics every few seconds; after
+    ray.shutdown that push would start a new local Ray in this process (Ray 2.60)."""
+    if "ray.serve" not in sys.modules:
+        return
+    try:
+        from ray.serve.context import _disconnect, _get_global_client
+
+        client = _get_global_client(raise_if_no_controller_running=False)
+        if client is not None:
+            client.shutdown_cached_handles()
+        _disconnect()
+    except Exception:  # never mask what the block's user was doing
+        pass
+
+
+class RayCluster(Block):
+    """A Ray cluster that flows run on: an embedded local Ray, or an existing cluster by address.
+
+    Connecting through this block ships the project's packages to the cluster; the task
+    runner built from it (ray_runner.RayClusterTaskRunner) carries the Prefect API settings
+    into every Ray worker, so task runs on Ray are recorded in the same Prefect API as their
+    flow run.
+    """
+
+    _block_type_name = "Ray Cluster"
+    _block_type_slug = "ray-cluster"
+    _documentation_url = "https://docs.ray.io/en/latest/cluster/getting-started.html"
+    _code_example = """
+    from prefect import flow
+
+    from prefect_ray_lifecycle.blocks import RayCluster
+    from prefect_ray_lifecycle.ray_runner import RayClusterTaskRunner
+
+    ray_cluster = RayCluster.load("BLOCK_NAME")
+
+    @flow(task_runner=RayClusterTaskRunner(ray_cluster))
+    def on_ray(): ...
+    """
+    _description = (
+        "Where Ray work runs: an embedded local Ray (empty address) or an existing "
+        "cluster ('auto', 'host:port', 'ray://host:port')."
+    )
+
+    address: str = Field(
+        default="",
+        description=(
+            "Ray address. Empty: start an embedded local Ray for the flow run (its "
+            "dashboard on 127.0.0.1). 'auto': the cluster this machine belongs to. "
+            "'host:port': the GCS address of a `ray start --head` cluster. "
+            "'ray://host:port': Ray Client."
+        ),
+    )
+    namespace: str = Field(
+        default=PROJECT_NAMESPACE,
+        min_length=1,
+        description="Ray namespace for the job, its named actors and Serve applications.",
+    )
+    runtime_env: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Extra Ray runtime_env merged over the project's own (its py_modules are "
+            "kept; env_vars and excludes are merged; other keys are added). Ship your own "
+            "code (env creators, transforms) with 'working_dir' (a local folder or a URI) "
+            "or 'py_modules'."
+        ),
+    )
+    num_cpus: int | None = Field(
+        default=None,
+        ge=1,
+        description="CPUs for the embedded local Ray; ignored when an address is set.",
+    )
+    auth_token: SecretStr | None = Field(
+        default=None,
+        description=(
+            "Token of a cluster that runs Ray's token authentication (RAY_AUTH_MODE="
+            "token, the default for new clusters in Ray 2.60). Empty: Ray's own lookup "
+            "(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token)."
+        ),
+    )
+    dashboard_url: str | None = Field(
+        default=None,
+        description=(
+            "Ray dashboard URL to link from flow runs; found from the connection when empty."
+        ),
+    )
+
+    serve_host: str = Field(
+        default=LOCAL_HOST,
+        description=(
+            "Host the Serve HTTP proxy binds when this project starts Serve (loopback by default)."
+        ),
+    )
+    serve_port: int = Field(
+        default=8000,
+        ge=1,
+        le=65535,
+        description="Port of the Serve HTTP proxy; routes are served at http://host:port/<route>.",
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, value: str) -> str:
+        return parse_address(value)
+
+    @field_validator("runtime_env")
+    @classmethod
+    def _check_runtime_env(cls, value: dict[str, Any]) -> dict[str, Any]:
+        env_vars = value.get("env_vars", {})
+        if not isinstance(env_vars, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()
+        ):
+            raise ValueError(f"runtime_env.env_vars must map strings to strings, got {env_vars!r}")
+        py_modules = value.get("py_modules", [])
+        if not isinstance(py_modules, list):
+            raise ValueError(f"runtime_env.py_modules must be a list, got {py_modules!r}")
+        excludes = value.get("excludes", [])
+        if not isinstance(excludes, list) or not all(isinstance(e, str) for e in excludes):
+            raise ValueError(f"runtime_env.excludes must be a list of patterns, got {excludes!r}")
+        working_dir = value.get("working_dir")
+        if working_dir is not None:
+            # A local folder (or .zip) is uploaded from this machine at connect; a URI is
+            # fetched by every node itself.
+            if not isinstance(working_dir, str) or not working_dir:
+                raise ValueError(
+                    f"runtime_env.working_dir must be a path or URI, got {working_dir!r}"
+                )
+            local = Path(working_dir).expanduser()
+            if "://" not in working_dir and not (local.is_dir() or local.suffix == ".zip"):
+                raise ValueError(
+                    f"runtime_env.working_dir {working_dir!r} is neither a folder on this "
+                    f"machine nor a .zip or URI"
+                )
+        return value
+
+    @property
+    def serve_url(self) -> str:
+        host = LOCAL_HOST if self.serve_host in ("0.0.0.0", "::") else self.serve_host
+        return f"http://{host}:{self.serve_port}"
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.address == ""
+
+    @property
+    def ray_init_address(self) -> str:
+        # "local" always starts a new local Ray, whatever RAY_ADDRESS says.
+        return self.address or "local"
+
+    def project_runtime_env(self) -> dict[str, Any]:
+        """The runtime_env for jobs started through this block: the project's package plus
+        extras. The package ships in two parts (control.shipping), so a separate cluster can
+        import what the flow process pickles by reference, and Serve apps take the Ray side
+        alone."""
+        extra = dict(self.runtime_env)
+        py_modules = [str(package_part(RAY_SIDE)), str(package_part(DRIVER_SIDE))]
+        py_modules += [m for m in extra.pop("py_modules", []) if m not in py_modules]
+        env_vars = {"RAY_USAGE_STATS_ENABLED": "0", **extra.pop("env_vars", {})}
+        excludes = [*PACKAGE_EXCLUDES, *extra.pop("excludes", [])]
+        return {"py_modules": py_modules, "env_vars": env_vars, "excludes": excludes, **extra}
+
+    def init_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `ray.init` (the address is passed separately)."""
+        kwargs: dict[str, Any] = {
+            "namespace": self.namespace,
+            "runtime_env": self.project_runtime_env(),
+            "log_to_driver": True,
+        }
+        if self.is_embedded:
+            # Ray maps a loopback node IP to the machine's own, so only the dashboard can be
+            # held to 127.0.0.1; core ports rely on Ray's token auth (default in 2.60).
+            kwargs.update(dashboard_host=LOCAL_HOST, include_dashboard=True)
+            if self.num_cpus:
+                kwargs["num_cpus"] = self.num_cpus
+        return kwargs
+
+    @contextlib.contextmanager
+    def connect(self) -> Iterator[Any]:
+        """Connect this process to the cluster for the block's lifetime; shut down only what we
+        started. Yields the Ray context (or None when Ray was already initialised here)."""
+        import ray
+
+        wait_for_shutdown()  # a connection still stopping in the background is not one
+        if ray.is_initialized():
+            yield None
+            return
+        self.export_auth_token()
+        context = retry_client_start(
+            lambda: ray.init(self.ray_init_address, **self.init_kwargs()),
+            self.address,
+            ray.shutdown,
+        )
+        try:
+            yield context
+        finally:
+            _forget_serve_handles()
+            ray.shutdown()
+
+    def export_auth_token(self) -> None:
+        """Ray reads its token from the environment only; this process then carries it."""
+        if self.auth_token is None:
+            return
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = self.auth_token.get_secret_value()
+        if "ray" in sys.modules:
+            # Ray caches its auth mode and token at first use in a process; refresh them the
+            # way Ray itself does when it turns token auth on (Ray 2.60 internals).
+            with contextlib.suppress(ImportError, AttributeError):
+                from ray._raylet import AuthenticationTokenLoader, Config
+
+                Config.initialize("")
+                AuthenticationTokenLoader.instance().reset_cache()

@@ -1,0 +1,1 @@
+"""Prefect's private names the project relies on (filled below)."""

@@ -1,0 +1,1 @@
+"""Ray's private names the project relies on (filled below)."""

@@ -1,0 +1,223 @@
+"""Logs of work on Ray, posted under the task run that did it.
+
+A task run's own logs are collected in its Ray worker and posted by a sender thread when the
+run ends (TaskRunLogs). What plain Ray tasks started from inside a task run print or log
+reaches the flow process through Ray's own log stream, named by lineage.ray_task_name, and is
+posted there (ChildTaskLogs); no Ray worker is dedicated to a task run for it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from typing import Any, NamedTuple
+from uuid import UUID
+
+import orjson
+from prefect.client.orchestration import get_client
+from prefect.context import SettingsContext
+from prefect.logging.handlers import set_api_log_sink
+from prefect.logging.loggers import get_logger
+from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.utilities.importtools import lazy_import
+
+from prefect_ray_lifecycle.ray_runner.lineage import NAME_TAG, child_tasks_key, prefect_ids_in_name
+from prefect_ray_lifecycle.workloads.constants import PROJECT_NAMESPACE
+
+# Ray loads on first use (as in prefect-ray): importing a flow module must not pay for it.
+ray = lazy_import("ray")
+
+logger = get_logger(__name__)
+
+POST_BATCHES_AT_MOST = 64  # task runs' log batches merged into one POST /logs/
+
+
+class TaskRunLogs:
+    """Collects what a task run logs in this Ray worker and hands it, when the run ends, to a
+    sender thread that posts it at once. Prefect's own log worker only flushes a batch on its
+    next log or at process exit, and idle Ray workers are killed, not exited, so the batch
+    would be lost; the POST stays off the task's path. (Prefect's ProcessPoolTaskRunner swaps
+    the same sink.)"""
+
+    _queue: queue.Queue | None = None  # LogBatch items for the sender thread, one per process
+
+    def __init__(self, settings: SettingsContext):
+        self.settings = settings
+        self.logs: list[dict[str, Any]] = []
+        set_api_log_sink(self.logs.append)
+
+    def send(self) -> None:
+        set_api_log_sink(None)
+        if not self.logs:
+            return
+        body = orjson.dumps(
+            [{k: v for k, v in log.items() if k != "__payload_size__"} for log in self.logs]
+        )
+        self.sender_queue().put(LogBatch(self.settings.settings.api.url, body, self.settings))
+
+    @classmethod
+    def sender_queue(cls) -> queue.Queue:
+        """The queue of LogBatch items this process's sender thread posts."""
+        if cls._queue is None:
+            cls._queue = queue.Queue()
+            threading.Thread(
+                target=cls._post_forever,
+                args=(cls._queue,),
+                daemon=True,
+                name="prefect-ray-task-logs",
+            ).start()
+        return cls._queue
+
+    @classmethod
+    def wait_sent(cls, timeout: float) -> None:
+        """Wait (at most `timeout` s) until every queued batch has been posted."""
+        deadline = time.monotonic() + timeout
+        while (
+            cls._queue is not None and cls._queue.unfinished_tasks and time.monotonic() < deadline
+        ):
+            time.sleep(0.02)
+
+    @staticmethod
+    def _post_forever(pending: queue.Queue) -> None:
+        clients: dict[str, Any] = {}  # one per API URL: opening a client is slow
+        while True:
+            batches = [pending.get()]
+            while len(batches) < POST_BATCHES_AT_MOST:  # what queued meanwhile goes along
+                try:
+                    batches.append(pending.get_nowait())
+                except queue.Empty:
+                    break
+            for api_url, logs in _by_api(batches):
+                try:
+                    if api_url not in clients:
+                        clients[api_url] = _open_client(logs[0])
+                    clients[api_url].request(
+                        "POST",
+                        "/logs/",
+                        content=b"[" + b",".join(batch.body[1:-1] for batch in logs) + b"]",
+                        headers={"Content-Type": "application/json"},
+                    )
+                except Exception as error:  # logs are best effort; the task's outcome is not
+                    logger.warning("Could not send task run logs to %s: %s", api_url, error)
+            for _ in batches:
+                pending.task_done()
+
+
+class LogBatch(NamedTuple):
+    """A JSON array of log records for one API; `settings` to open its client with, else the
+    process settings with the URL replaced."""
+
+    api_url: str
+    body: bytes
+    settings: SettingsContext | None = None
+
+
+def _by_api(batches: list[LogBatch]) -> list[tuple[str, list[LogBatch]]]:
+    grouped: dict[str, list[LogBatch]] = {}
+    for batch in batches:
+        grouped.setdefault(batch.api_url, []).append(batch)
+    return list(grouped.items())
+
+
+def _open_client(batch: LogBatch) -> Any:
+    """A sync client for the batch's API, under its settings: settings built in this thread
+    would read os.environ, which Ray changes while it starts a task (a KeyError)."""
+    if batch.settings is None:
+        with temporary_settings(updates={PREFECT_API_URL: batch.api_url}):
+            return get_client(sync_client=True).__enter__()
+    token = SettingsContext.__var__.set(batch.settings)
+    try:
+        return get_client(sync_client=True).__enter__()
+    finally:
+        SettingsContext.__var__.reset(token)
+
+
+class ChildTaskLogs:
+    """Driver side (the flow process): lines that Ray's log stream (log_to_driver) brings
+    from Ray tasks named "from_task_run" are posted as that task run's logs. One handler per
+    process, shared by nested task runners."""
+
+    HANDLER = "prefect-ray-child-task-logs"
+    QUIET_S = 0.5  # Ray's log monitor polls files every 0.1 s when idle
+    DRAIN_LIMIT_S = 3.0
+    _users = 0
+    _lock = threading.Lock()
+    _last_line = 0.0  # monotonic time of the last forwarded batch
+
+    @classmethod
+    def drain(cls, flow_run_id: UUID) -> None:
+        """At the end of a flow run whose task runs started Ray tasks (a flag they leave in
+        Ray's KV store), wait until the log stream has been quiet for QUIET_S, at most
+        DRAIN_LIMIT_S, then until the sender thread has posted: their last lines may still
+        be on their way. A flow run without such tasks pays one KV lookup."""
+        internal_kv = ray.experimental.internal_kv
+        if not internal_kv._internal_kv_del(
+            child_tasks_key(flow_run_id), namespace=PROJECT_NAMESPACE
+        ):
+            return
+        started = time.monotonic()
+        deadline = started + cls.DRAIN_LIMIT_S
+        while time.monotonic() < deadline and (
+            time.monotonic() - max(started, cls._last_line) < cls.QUIET_S
+        ):
+            time.sleep(0.05)
+        TaskRunLogs.wait_sent(max(0.0, deadline - time.monotonic()) + 1.0)
+
+    @classmethod
+    def start(cls, api_url: str) -> bool:
+        """Take a share of the log stream handler; False where this process has no stream."""
+        worker = ray._private.worker.global_worker
+        if worker.mode != ray._private.worker.SCRIPT_MODE:
+            return False  # Ray Client or a driver inside a worker: no log stream here
+        with cls._lock:
+            cls._users += 1
+            if cls._users == 1:
+                ray._private.ray_logging.global_worker_stdstream_dispatcher.add_handler(
+                    cls.HANDLER, lambda data: cls._forward_safely(api_url, data)
+                )
+        return True
+
+    @classmethod
+    def stop(cls) -> None:
+        """Give the share back; the last user removes the handler."""
+        with cls._lock:
+            if cls._users == 0:
+                return
+            cls._users -= 1
+            if cls._users == 0:
+                ray._private.ray_logging.global_worker_stdstream_dispatcher.remove_handler(
+                    cls.HANDLER
+                )
+
+    @classmethod
+    def _forward_safely(cls, api_url: str, data: dict[str, Any]) -> None:
+        try:  # an exception here would end Ray's log thread in this process
+            cls._forward(api_url, data)
+        except Exception as error:
+            logger.debug("Could not forward Ray task logs: %r", error)
+
+    @classmethod
+    def _forward(cls, api_url: str, data: dict[str, Any]) -> None:
+        ids = prefect_ids_in_name(data.get("task_name"))
+        if ids is None or not ids[2] or not data.get("lines"):
+            return  # not from a task run's child (the task run's own logs come by TaskRunLogs)
+        flow_run_id, task_run_id, _ = ids
+        function = NAME_TAG.sub("", data["task_name"])
+        timestamp = datetime.datetime.now(datetime.UTC).isoformat()
+        body = orjson.dumps(
+            [
+                {
+                    "name": f"ray.{function}",
+                    "level": 20,
+                    "message": line,
+                    "timestamp": timestamp,
+                    "flow_run_id": flow_run_id,
+                    "task_run_id": task_run_id,
+                }
+                for line in data["lines"]
+            ]
+        )
+        cls._last_line = time.monotonic()
+        TaskRunLogs.sender_queue().put(LogBatch(api_url, body))

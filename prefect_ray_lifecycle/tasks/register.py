@@ -1,0 +1,250 @@
+"""Prefect tasks for MLflow registration and promotion. Each is idempotent, so the only
+retries (on connection errors to MLflow, with backoff) are safe."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import requests
+from mlflow.exceptions import MlflowException
+from prefect import get_run_logger, task
+from prefect.runtime import flow_run, task_run
+from prefect.utilities.urls import url_for
+from pydantic import BaseModel, Field
+
+from prefect_ray_lifecycle.blocks import MLflowServer
+from prefect_ray_lifecycle.control import registry
+from prefect_ray_lifecycle.control.promotion import EvalProtocol, Score, Verdict, decide_promotion
+from prefect_ray_lifecycle.workloads.constants import PROJECT_ROOT
+
+MLFLOW_RETRIES = 4
+MLFLOW_RETRY_DELAYS = [2, 4, 8, 16]
+_CONNECTION_MARKERS = (
+    "Max retries exceeded",
+    "Connection refused",
+    "Connection aborted",
+    "Failed to establish a new connection",
+    "Read timed out",
+)
+
+
+def is_connection_error(error: BaseException) -> bool:
+    """True when MLflow could not be reached (worth a retry); False for a user error."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (requests.ConnectionError, requests.Timeout, ConnectionError)):
+            return True
+        if isinstance(current, MlflowException) and any(
+            marker in str(current) for marker in _CONNECTION_MARKERS
+        ):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _retry_on_connection_error(task, task_run, state) -> bool:
+    try:
+        state.result()
+    except Exception as error:  # the task's own exception, re-raised by result()
+        return is_connection_error(error)
+    return False
+
+
+mlflow_task = task(
+    retries=MLFLOW_RETRIES,
+    retry_delay_seconds=MLFLOW_RETRY_DELAYS,
+    retry_condition_fn=_retry_on_connection_error,
+)
+
+
+class EvaluationSummary(BaseModel):
+    mean_return: float = Field(description="Mean greedy return over the held-out episodes.")
+    std_return: float = Field(description="Standard deviation of those returns.")
+    episodes: int = Field(ge=1, description="Held-out episodes played.")
+    seed: int = Field(description="Base seed of the held-out episodes.")
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=PROJECT_ROOT,
+            text=True,
+            capture_output=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def lineage_tags(
+    experiment_path: str, trial_id: str, protocol: EvalProtocol, dataset_fingerprint: str | None
+) -> dict[str, str]:
+    tags = {
+        f"{registry.TAG}.prefect.flow_run_id": str(flow_run.id or ""),
+        # Prefect's runtime ui_url points at /flow-runs/..., a path the OSS UI does not route.
+        f"{registry.TAG}.prefect.flow_run_url": str(url_for("flow-run", obj_id=flow_run.id) or ""),
+        f"{registry.TAG}.prefect.task_run_id": str(task_run.id or ""),
+        f"{registry.TAG}.tune.experiment_path": experiment_path,
+        f"{registry.TAG}.tune.trial_id": trial_id,
+        f"{registry.TAG}.git_commit": git_commit(),
+        f"{registry.TAG}.eval.protocol": protocol.to_json(),
+    }
+    if dataset_fingerprint:
+        tags[f"{registry.TAG}.dataset.fingerprint"] = dataset_fingerprint
+    return tags
+
+
+@task
+def evaluate(checkpoint: str, protocol: EvalProtocol) -> EvaluationSummary:
+    """Greedy episodes of the checkpoint's RLModule on the protocol's held-out seeds."""
+    from prefect_ray_lifecycle.workloads.rl.rllib import evaluate_checkpoint
+
+    registry.check_checkpoint(checkpoint)
+    result = evaluate_checkpoint(
+        checkpoint,
+        protocol.environment,
+        protocol.env_config,
+        episodes=protocol.episodes,
+        seed=protocol.seed,
+    )
+    return EvaluationSummary(
+        mean_return=result.mean_return,
+        std_return=result.std_return,
+        episodes=protocol.episodes,
+        seed=protocol.seed,
+    )
+
+
+@mlflow_task
+def register(
+    mlflow_server: MLflowServer,
+    *,
+    model_name: str,
+    checkpoint: str,
+    experiment_path: str,
+    trial_id: str,
+    protocol: EvalProtocol,
+    evaluation: EvaluationSummary,
+    best_config: dict[str, Any],
+    metrics: dict[str, float],
+    trials: list[dict[str, Any]],
+    dataset_fingerprint: str | None,
+    mlflow_experiment: str,
+    create_model: bool,
+) -> registry.Registration:
+    """Register the trial's checkpoint once; a retry or a second call returns the same version."""
+    from prefect_ray_lifecycle.workloads.rl.rllib import make_env
+
+    env = make_env(protocol.environment, protocol.env_config)
+    observation_size = int(env.observation_space.shape[0])
+    env.close()
+    tags = lineage_tags(experiment_path, trial_id, protocol, dataset_fingerprint)
+    description = (
+        f"RLlib policy from Tune trial {trial_id} of {experiment_path}, registered "
+        f"by Prefect flow run {flow_run.id}; greedy return "
+        f"{evaluation.mean_return:.1f} ± {evaluation.std_return:.1f} over "
+        f"{evaluation.episodes} held-out episodes."
+    )
+    with mlflow_server.session() as client:
+        result = registry.register_checkpoint(
+            client,
+            name=model_name,
+            checkpoint=checkpoint,
+            experiment_name=mlflow_experiment,
+            trial_key_value=registry.trial_key(experiment_path, trial_id, checkpoint),
+            params={
+                k: json.dumps(v) if not isinstance(v, str) else v for k, v in best_config.items()
+            },
+            metrics={
+                **metrics,
+                "eval_mean_return": evaluation.mean_return,
+                "eval_std_return": evaluation.std_return,
+            },
+            tags={
+                **tags,
+                f"{registry.TAG}.eval.mean_return": f"{evaluation.mean_return:.6g}",
+                f"{registry.TAG}.eval.std_return": f"{evaluation.std_return:.6g}",
+            },
+            description=description,
+            artifacts={"trials.json": trials, "evaluation.json": evaluation.model_dump()},
+            observation_size=observation_size,
+            create_model=create_model,
+        )
+    get_run_logger().info(
+        "%s %s v%s",
+        "Registered" if result.created else "Already registered",
+        model_name,
+        result.version,
+    )
+    return result
+
+
+def _score(client, tracking_uri: str, version, protocol: EvalProtocol) -> Score:
+    """A version's score under `protocol`: from its tags when it was scored that way, else
+    by evaluating its RLModule again on the protocol's seeds."""
+    import mlflow
+
+    from prefect_ray_lifecycle.workloads.rl.policy_model import ARTIFACT_KEY
+
+    tags = version.tags
+    recorded = tags.get(f"{registry.TAG}.eval.protocol")
+    if recorded and EvalProtocol.from_json(recorded) == protocol:
+        return Score(
+            version.version,
+            float(tags[f"{registry.TAG}.eval.mean_return"]),
+            float(tags[f"{registry.TAG}.eval.std_return"]),
+            protocol,
+        )
+    model_dir = Path(
+        mlflow.artifacts.download_artifacts(artifact_uri=version.source, tracking_uri=tracking_uri)
+    )
+    summary = evaluate.fn(str(model_dir / "artifacts" / ARTIFACT_KEY), protocol)
+    return Score(version.version, summary.mean_return, summary.std_return, protocol)
+
+
+@mlflow_task
+def promote(
+    mlflow_server: MLflowServer,
+    *,
+    model_name: str,
+    version: str,
+    protocol: EvalProtocol,
+    margin: float,
+) -> Verdict:
+    """Challenger in; champion moves only if the policy says so. Idempotent."""
+    actor = f"prefect flow run {flow_run.id}"
+    with mlflow_server.session() as client:
+        candidate = client.get_model_version(model_name, version)
+        champion = registry.resolve_alias(client, model_name, registry.CHAMPION)
+        if champion is not None and champion.version == candidate.version:
+            return Verdict(True, f"v{version} is already the champion")
+        registry.move_alias(
+            client, model_name, registry.CHALLENGER, version, reason="registered", actor=actor
+        )
+        uri = mlflow_server.tracking_uri
+        challenger_score = _score(client, uri, candidate, protocol)
+        champion_score = _score(client, uri, champion, protocol) if champion else None
+        verdict = decide_promotion(challenger_score, champion_score, margin)
+        record = {
+            "verdict": "promoted" if verdict.promote else "rejected",
+            "reason": verdict.reason,
+            "challenger_mean_return": challenger_score.mean_return,
+            "champion_version": champion.version if champion else "none",
+            "champion_mean_return": (champion_score.mean_return if champion_score else "none"),
+            "decided_by": actor,
+        }
+        registry.tag_verdict(client, model_name, version, "promotion", record)
+        if verdict.promote:
+            registry.move_alias(
+                client, model_name, registry.CHAMPION, version, reason=verdict.reason, actor=actor
+            )
+            registry.remove_alias(client, model_name, registry.CHALLENGER)
+    get_run_logger().info("%s v%s: %s", model_name, version, verdict.reason)
+    return verdict

@@ -1,0 +1,50 @@
+"""Facts shared across the project, each defined once.
+
+Imports nothing heavy: Serve replicas, Ray workers, the flow process and the LLM venv all
+load it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = [
+    "FALLBACK_HEADER",
+    "LLM_DEPLOYMENT",
+    "LLM_PYTHON_ENV",
+    "LLM_VENV_PYTHON",
+    "POLICY_DEPLOYMENT",
+    "PROJECT_NAMESPACE",
+    "PROJECT_ROOT",
+    "REQUEST_ID_HEADER",
+    "ROUTER_DEPLOYMENT",
+    "SERVE_NAMESPACE",
+    "VERSION_HEADER",
+    "llm_python",
+]
+
+# The checkout this module was loaded from (in a Ray worker: its copy of the shipped package).
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+# The Ray namespace of the project's jobs and named actors; Serve keeps its own.
+PROJECT_NAMESPACE = "prefect-ray-lifecycle"
+SERVE_NAMESPACE = "serve"
+
+# Response headers every route answer carries.
+VERSION_HEADER = "X-Model-Version"
+REQUEST_ID_HEADER = "X-Request-Id"
+FALLBACK_HEADER = "X-Fallback-From"
+
+# Serve deployment names inside the apps this project builds.
+POLICY_DEPLOYMENT = "PolicyServer"
+LLM_DEPLOYMENT = "LLMServer"
+ROUTER_DEPLOYMENT = "Router"
+
+# vLLM's fastapi pin keeps it out of the project's venv: LLM replicas run this python.
+LLM_PYTHON_ENV = "RLT_LLM_PYTHON"
+LLM_VENV_PYTHON = PROJECT_ROOT / ".venv-llm" / "bin" / "python"
+
+
+def llm_python(explicit: str | None = None) -> str:
+    """The LLM venv's python: `explicit`, else $RLT_LLM_PYTHON, else this checkout's."""
+    return explicit or os.environ.get(LLM_PYTHON_ENV) or str(LLM_VENV_PYTHON)

@@ -1,0 +1,1 @@
+"""RLlib: environments, algorithm configs, evaluation, and the MLflow pyfunc of a policy."""

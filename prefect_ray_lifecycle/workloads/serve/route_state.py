@@ -1,0 +1,262 @@
+"""A route's shared state, one detached actor per route: the request figures every router
+replica reports, and the lease under which one rollout holds the route.
+
+The lease is timed by the actor's own clock, so no two hosts' clocks are compared: a holder
+renews it while it runs; once it lapses, router replicas stop sending any candidate share and
+whoever comes next may take the route over."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import defaultdict, deque
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from prefect_ray_lifecycle.workloads.constants import SERVE_NAMESPACE
+from prefect_ray_lifecycle.workloads.figures import percentile, summarize
+
+if TYPE_CHECKING:
+    from prefect_ray_lifecycle.workloads.serve.router_config import RolloutRecord
+
+__all__ = [
+    "RouteState",
+    "RouteStateClient",
+    "drop_route_state",
+    "lease_of",
+    "route_figures",
+    "route_series",
+    "route_state",
+    "route_state_name",
+]
+
+logger = logging.getLogger("ray.serve")
+
+FIGURES_KEEP_S = 900.0
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's own resource of the head node
+STATS_FLUSH_S = 0.25
+LEASE_POLL_S = 0.5
+LEASE_STALE_S = 2.0  # a lease a replica has not confirmed for this long counts as lapsed
+LATENCY_SAMPLES = 2000  # per version per flush
+
+
+def route_state_name(route: str) -> str:
+    return f"route-state:{route}"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class RouteState:
+    def __init__(self, keep_s: float = FIGURES_KEEP_S):
+        self.keep_s = keep_s
+        # (at, version, requests, errors, fallbacks, latencies)
+        self.windows: deque[tuple[float, str, int, int, int, list[float]]] = deque()
+        self.holder: str | None = None
+        self.expires_at = 0.0
+        self.info: dict[str, Any] = {}
+
+    def record(self, at: float, entries: dict[str, tuple[int, int, int, list[float]]]) -> None:
+        for version, (requests, errors, fallbacks, latencies) in entries.items():
+            self.windows.append((at, version, requests, errors, fallbacks, latencies))
+        while self.windows and self.windows[0][0] < at - self.keep_s:
+            self.windows.popleft()
+
+    def summary(self, since: float, until: float | None = None) -> dict[str, dict[str, Any]]:
+        """Per version: requests, errors, error_rate, fallbacks (its failures answered by
+        another version), p50_ms and p99_ms, over reports made in [since, until]."""
+        until = until if until is not None else time.time() + 1
+        grouped: dict[str, list] = defaultdict(lambda: [0, 0, 0, []])
+        for at, version, requests, errors, fallbacks, latencies in self.windows:
+            if since <= at <= until:
+                entry = grouped[version]
+                entry[0] += requests
+                entry[1] += errors
+                entry[2] += fallbacks
+                entry[3].extend(latencies)
+        return {
+            version: {**summarize(requests, errors, latencies), "fallbacks": fallbacks}
+            for version, (requests, errors, fallbacks, latencies) in grouped.items()
+        }
+
+    def series(
+        self, since: float, until: float | None = None, bucket_s: float = 1.0
+    ) -> dict[str, list[dict[str, Any]]]:
+        """Per version, in time order, one point per `bucket_s` in which it was served: `at`
+        (the bucket's start, time.time()), requests, requests_per_s, errors, error_rate and
+        p99_ms, over reports made in [since, until]."""
+        until = until if until is not None else time.time() + 1
+        buckets: dict[tuple[str, int], list] = {}
+        for at, version, requests, errors, _fallbacks, latencies in self.windows:
+            if since <= at <= until:
+                entry = buckets.setdefault((version, int((at - since) // bucket_s)), [0, 0, []])
+                entry[0] += requests
+                entry[1] += errors
+                entry[2].extend(latencies)
+        series: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for (version, index), (requests, errors, latencies) in sorted(buckets.items()):
+            series[version].append(
+                {
+                    "at": since + index * bucket_s,
+                    "requests": requests,
+                    "requests_per_s": requests / bucket_s,
+                    "errors": errors,
+                    "error_rate": errors / requests if requests else 0.0,
+                    "p99_ms": percentile(latencies, 0.99),
+                }
+            )
+        return dict(series)
+
+    def claim(self, holder: str, lease_s: float, info: dict[str, Any]) -> dict[str, Any]:
+        """Take (or keep) the route for `holder` when it is free, lapsed or already
+        theirs. Returns the lease as it stands afterwards, with `granted`, and `replaced`:
+        the lapsed holder it was taken from."""
+        now = time.monotonic()
+        granted = self.holder in (None, holder) or now >= self.expires_at
+        replaced = self.holder if granted and self.holder not in (None, holder) else None
+        if granted:
+            self.holder, self.expires_at, self.info = holder, now + lease_s, dict(info)
+        return {**self.lease(), "granted": granted, "replaced": replaced}
+
+    def renew(self, holder: str, lease_s: float, info: dict[str, Any] | None = None) -> bool:
+        """Extend the holder's lease; False when it is no longer theirs (lapsed and taken)."""
+        if self.holder != holder:
+            return False
+        self.expires_at = time.monotonic() + lease_s
+        if info:
+            self.info.update(info)
+        return True
+
+    def release(self, holder: str) -> bool:
+        if self.holder != holder:
+            return False
+        self.holder, self.expires_at, self.info = None, 0.0, {}
+        return True
+
+    def lease(self) -> dict[str, Any]:
+        remaining = self.expires_at - time.monotonic()
+        return {
+            "holder": self.holder,
+            "held": self.holder is not None and remaining > 0,
+            "expires_in_s": round(remaining, 3) if self.holder is not None else None,
+            "info": dict(self.info),
+        }
+
+    def holds(self, holder: str) -> bool:
+        return self.holder == holder and time.monotonic() < self.expires_at
+
+
+def route_state(route: str, create: bool = True) -> Any:
+    """The route's state actor (created when missing, unless `create` is False: then None)."""
+    name = route_state_name(route)
+    if not create:
+        try:
+            return ray.get_actor(name, namespace=SERVE_NAMESPACE)
+        except ValueError:
+            return None
+    return RouteState.options(
+        name=name,
+        namespace=SERVE_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        # On the head, with Serve's controller: losing a worker node must not lose the lease.
+        resources={HEAD_NODE_RESOURCE: 0.001},
+    ).remote()
+
+
+class RouteStateClient:
+    """A router replica's side of the route's state: request figures, counted in the replica
+    and flushed in batches, and the route's lease, polled in the background (`run`)."""
+
+    def __init__(self, route: str):
+        self.route = route
+        self.pending: dict[str, list] = {}
+        self.actor: Any = None
+        self.lease: dict[str, Any] = {}
+        self.lease_seen_at = 0.0
+
+    def add(self, version: str, error: bool, latency_ms: float, fallback: bool = False) -> None:
+        entry = self.pending.setdefault(version, [0, 0, 0, []])
+        entry[0] += 1
+        entry[1] += int(error)
+        entry[2] += int(fallback)
+        if len(entry[3]) < LATENCY_SAMPLES:
+            entry[3].append(latency_ms)
+        else:  # keep a uniform sample
+            slot = random.randrange(entry[0])
+            if slot < LATENCY_SAMPLES:
+                entry[3][slot] = latency_ms
+
+    def holds(self, rollout: RolloutRecord | None) -> bool:
+        """Whether `rollout` holds the route's lease, as last confirmed."""
+        return (
+            rollout is not None
+            and self.lease.get("held") is True
+            and self.lease.get("holder") == rollout.holder
+            and time.monotonic() - self.lease_seen_at < LEASE_STALE_S
+        )
+
+    async def summary(self, since: float, timeout_s: float) -> dict[str, dict[str, Any]]:
+        """The route's per-version figures since `since` (time.time()), as every replica
+        reported them; raises when the route's state does not answer within `timeout_s`."""
+        return await asyncio.wait_for(self._actor().summary.remote(since), timeout_s)
+
+    def _actor(self) -> Any:
+        if self.actor is None:
+            self.actor = route_state(self.route)
+        return self.actor
+
+    async def run(self) -> None:
+        polled = 0.0
+        while True:
+            await asyncio.sleep(STATS_FLUSH_S)
+            try:
+                if self.pending:
+                    pending, self.pending = self.pending, {}
+                    self._actor().record.remote(
+                        time.time(), {v: tuple(e) for v, e in pending.items()}
+                    )
+                if time.monotonic() - polled >= LEASE_POLL_S:
+                    polled = time.monotonic()
+                    self.lease = await asyncio.wait_for(self._actor().lease.remote(), LEASE_STALE_S)
+                    self.lease_seen_at = time.monotonic()
+            except Exception:  # figures and leases must never break serving
+                logger.exception("router %s: route state unreachable", self.route)
+                self.actor = None
+
+
+def route_figures(route: str, since: float, until: float | None = None) -> dict[str, dict]:
+    """Per-version figures the route's routers reported since `since` (time.time()); empty
+    when nothing was served."""
+    actor = route_state(route, create=False)
+    if actor is None:
+        return {}
+    return ray.get(actor.summary.remote(since, until), timeout=10)
+
+
+def route_series(
+    route: str, since: float, until: float | None = None, points: int = 240
+) -> dict[str, list[dict[str, Any]]]:
+    """Per-version request figures over time (see RouteState.series), in about `points`
+    buckets of at least a second; empty when the route has no state. Kept FIGURES_KEEP_S."""
+    actor = route_state(route, create=False)
+    if actor is None:
+        return {}
+    span = (until if until is not None else time.time()) - since
+    bucket_s = max(1.0, span / max(points, 1))
+    return ray.get(actor.series.remote(since, until, bucket_s), timeout=10)
+
+
+def lease_of(route: str) -> dict[str, Any] | None:
+    """The route's lease as its state actor sees it; None when the route has no state."""
+    actor = route_state(route, create=False)
+    if actor is None:
+        return None
+    return ray.get(actor.lease.remote(), timeout=10)
+
+
+def drop_route_state(route: str) -> None:
+    actor = route_state(route, create=False)
+    if actor is not None:
+        ray.kill(actor)

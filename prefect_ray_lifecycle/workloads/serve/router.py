@@ -1,0 +1,425 @@
+"""The router: one Serve application on a stable route that never changes.
+
+It sends each request to the live version or, during a canary, a weighted share to the
+candidate, each a separate Serve application reached through a DeploymentHandle (a JSON 502
+for upstream errors, 504 after the per-request timeout). Once a live version has passed its
+gates the router hosts it in its own replicas (workloads.serve.hosted: a policy, or an LLM's vLLM
+engine when the route's router runs in the LLM venv), so steady-state requests pay no extra
+hop; while it loads, or if its engine stops, requests go to the version's app as before.
+
+Safety lives here, not in the flow that drives it:
+- a candidate share is served only while the rollout that set it holds the route's lease
+  (workloads.serve.route_state); when the lease lapses the router serves the live version only;
+- a request the candidate (or, during a bake, the freshly swapped version) fails with a 5xx,
+  a connection error or a timeout is answered once more by the version it would otherwise
+  have gone to, within the request's own timeout, and the failure still counts against the
+  version that failed.
+
+Everything else is set by its user_config (workloads.serve.router_config), applied in place by
+`reconfigure`, which never raises and is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import re
+import threading
+import time
+from typing import Any
+
+from ray import serve
+
+from prefect_ray_lifecycle.workloads.constants import FALLBACK_HEADER, ROUTER_DEPLOYMENT
+from prefect_ray_lifecycle.workloads.http import (
+    MAX_BODY_BYTES,
+    BadRequest,
+    describe,
+    json_response,
+    parse_json,
+    request_dict,
+    tagged_headers,
+    to_response,
+)
+from prefect_ray_lifecycle.workloads.serve.hosted import Hosted, host
+from prefect_ray_lifecycle.workloads.serve.route_state import FIGURES_KEEP_S, RouteStateClient
+from prefect_ray_lifecycle.workloads.serve.router_config import RouterConfig, Target
+
+__all__ = ["Router", "build_router_app", "status_window"]
+
+logger = logging.getLogger("ray.serve")
+
+FALLBACK_SHARE = 0.5  # of the request's timeout, left for the fallback attempt
+STATUS_WINDOW_S = 300  # the figures `GET <route>/-/status` reports: the last 5 minutes
+MAX_STATUS_WINDOW_S = int(FIGURES_KEEP_S)  # what the route's state keeps
+FIGURES_TIMEOUT_S = 2.0  # status answers without figures rather than wait longer
+
+
+@serve.deployment(name=ROUTER_DEPLOYMENT, max_ongoing_requests=64, health_check_period_s=5.0)
+class Router:
+    def __init__(self, route: str, max_body_bytes: int = MAX_BODY_BYTES):
+        self.route = route
+        self.max_body_bytes = max_body_bytes
+        self.config = RouterConfig()
+        self.handles: dict[tuple[str, str], Any] = {}
+        self.inline: Hosted | None = None
+        self.loading: str | None = None
+        self.load_error: str | None = None
+        self.rejected_config: str | None = None
+        self.state = RouteStateClient(route)
+        self._lock = threading.Lock()
+        self._background: asyncio.Task | None = None
+
+    def reconfigure(self, config: dict[str, Any]) -> None:
+        # Serve stops a replica whose reconfigure raises, and calls this twice on a new
+        # replica: never raise, and do nothing when nothing changed.
+        try:
+            parsed = RouterConfig.parse(config)
+        except (TypeError, ValueError) as error:
+            self.rejected_config = str(error)
+            logger.error(
+                "router %s ignored a bad config (kept generation %s): %s",
+                self.route,
+                self.config.generation,
+                error,
+            )
+            return
+        self.rejected_config = None
+        if parsed == self.config:
+            return
+        self.config = parsed
+        if parsed.inline_live:
+            self._load_inline(parsed.live)
+        else:
+            self._replace_inline(None)
+        logger.info(
+            "router %s now at generation %s: %s",
+            self.route,
+            parsed.generation,
+            parsed.as_dict(),
+        )
+
+    def _load_inline(self, live: Target) -> None:
+        if self.inline is not None and self.inline.version == live.version:
+            return
+        with self._lock:
+            if self.loading == live.version:
+                return
+            self.loading = live.version
+
+        def load() -> None:
+            try:
+                hosted = host(live, self.max_body_bytes)
+                if self.config.inline_live and self.config.live == live:
+                    self._replace_inline(hosted)
+                    self.load_error = None
+                else:  # the route moved on while it loaded
+                    hosted.close()
+            except Exception as error:  # keep forwarding to the live app
+                self.load_error = f"v{live.version}: {error}"
+                logger.exception(
+                    "router %s could not host v%s in process", self.route, live.version
+                )
+            finally:
+                with self._lock:
+                    self.loading = None
+
+        threading.Thread(target=load, name=f"load-v{live.version}", daemon=True).start()
+
+    def _replace_inline(self, hosted: Hosted | None) -> None:
+        previous, self.inline = self.inline, hosted
+        if previous is not None and previous is not hosted:
+            previous.close()  # an engine stops once the requests it is answering are done
+
+    def _hosted(self, target: Target) -> Hosted | None:
+        """The in-process copy of `target` when this replica hosts it and it can answer."""
+        inline = self.inline
+        if inline is not None and inline.version == target.version and inline.alive():
+            return inline
+        return None
+
+    def _handle(self, target: Target) -> Any:
+        key = (target.app, target.deployment)
+        handle = self.handles.get(key)
+        if handle is None:
+            handle = serve.get_deployment_handle(target.deployment, target.app)
+            self.handles[key] = handle
+        return handle
+
+    def _start_background(self) -> None:
+        if self._background is None:
+            self._background = asyncio.get_running_loop().create_task(self.state.run())
+
+    def candidate_share(self, config: RouterConfig) -> float:
+        """The candidate's share as served: its weight while its rollout holds the lease."""
+        if config.candidate is None or not self.state.holds(config.rollout):
+            return 0.0
+        return config.candidate_weight
+
+    async def status(self, window_s: int | None = None) -> dict[str, Any]:
+        """What this replica serves now; with `window_s`, also the route's per-version
+        figures over the last `window_s` seconds (every replica's reports)."""
+        self._start_background()
+        config, inline = self.config, self.inline
+        share = self.candidate_share(config)
+        lapsed = config.candidate is not None and share == 0.0
+        extra = {} if window_s is None else {"figures": await self._figures(window_s)}
+        return {
+            "route": self.route,
+            "config": config.as_dict(),
+            "candidate_share": share,
+            "lease": {
+                "holder": self.state.lease.get("holder"),
+                "held": self.state.lease.get("held", False),
+                "lapsed": lapsed,
+            },
+            "serving": "live only: the rollout's lease is not held" if lapsed else "as configured",
+            "inline_version": inline.version
+            if inline is not None
+            and config.live is not None
+            and inline.version == config.live.version
+            and inline.alive()
+            else None,
+            "loading": self.loading,
+            "load_error": self.load_error,
+            "rejected_config": self.rejected_config,
+            **extra,
+        }
+
+    async def _figures(self, window_s: int) -> dict[str, Any]:
+        """{"window_s", "versions": {version: summary}}; with "error" and no versions when
+        the route's state did not answer in time (status never fails for it)."""
+        figures: dict[str, Any] = {"window_s": window_s, "versions": {}}
+        try:
+            figures["versions"] = await self.state.summary(
+                time.time() - window_s, FIGURES_TIMEOUT_S
+            )
+        except Exception as error:
+            figures["error"] = f"route state unreachable: {type(error).__name__}: {error}"[:300]
+        return figures
+
+    async def llm_stats(self, version: str, reset: bool = False) -> dict[str, Any] | None:
+        """The hosted LLM's own figures (as its app's `stats`), None unless it hosts `version`."""
+        inline = self.inline
+        if inline is None or inline.version != version:
+            return None
+        return await inline.stats(reset)
+
+    def check_health(self) -> None:
+        pass  # what it hosts has a fallback (the version's app); targets have their own checks
+
+    async def __call__(self, request: Any) -> Any:
+        self._start_background()
+        if request.method == "GET" and request.url.path.rstrip("/").endswith("/-/status"):
+            try:
+                window_s = status_window(request.query_params.getlist("window_s"))
+            except BadRequest as error:
+                return to_response(json_response(error.status, {"error": error.message}))
+            return to_response(json_response(200, await self.status(window_s)))
+        started = time.perf_counter()
+        req = await request_dict(request, self.max_body_bytes)
+        config = self.config
+        use_candidate = random.random() < self.candidate_share(config)
+        target = config.candidate if use_candidate else config.live
+        if target is None:
+            return to_response(
+                json_response(503, {"error": f"route {self.route} has no live version"})
+            )
+        backup = (config.live if use_candidate else config.previous) if config.fallback else None
+        budget = config.timeout_s * (1 - FALLBACK_SHARE) if backup else config.timeout_s
+        if target.kind == "llm" and _wants_stream(req):
+            return await self._stream(target, backup, req, config.timeout_s, budget)
+        answer = await self._answer(target, req, budget)
+        failed = answer["status"] >= 500
+        failed_ms = _ms_since(started)
+        answered, extra = target, None
+        if failed and backup is not None:
+            retry_started = time.perf_counter()
+            second = await self._answer(backup, req, config.timeout_s - budget)
+            self.state.add(backup.version, second["status"] >= 500, _ms_since(retry_started))
+            if second["status"] < 500:
+                answer, answered, extra = (
+                    second,
+                    backup,
+                    {FALLBACK_HEADER: target.version},
+                )
+        # The failure counts against the version that failed, answered or not.
+        self.state.add(target.version, failed, failed_ms, fallback=extra is not None)
+        answer["headers"] = tagged_headers(answer["headers"], answered.version, extra)
+        return to_response(answer)
+
+    async def _answer(self, target: Target, req: dict[str, Any], timeout_s: float):
+        hosted = self._hosted(target)
+        if hosted is None:
+            return await self._forward(target, req, timeout_s)
+        try:
+            if target.kind == "policy":  # answered in microseconds, on this thread
+                return await hosted.answer(req)
+            return await asyncio.wait_for(hosted.answer(req), timeout_s)
+        except TimeoutError:
+            return json_response(
+                504, {"error": f"v{target.version} did not answer within {timeout_s:g} s"}
+            )
+        except Exception as error:  # a bug must not become Serve's bare 500
+            return json_response(502, {"error": f"v{target.version} failed: {error!r}"[:400]})
+
+    async def _stream(
+        self,
+        target: Target,
+        backup: Target | None,
+        req: dict[str, Any],
+        timeout_s: float,
+        budget: float,
+    ) -> Any:
+        """Stream a target's chunks through: its first item is {"status", "headers"}. The
+        timeout covers the wait for it (time to first token), and a failure before it falls
+        back like any other request; after the first byte there is no going back."""
+        from starlette.responses import StreamingResponse
+
+        started = time.perf_counter()
+        opened = await self._open_stream(target, req, budget)
+        answered, extra = target, None
+        if not isinstance(opened, tuple):
+            failed_ms = _ms_since(started)
+            if backup is not None:
+                started = time.perf_counter()
+                second = await self._open_stream(backup, req, timeout_s - budget)
+                if isinstance(second, tuple):
+                    opened, answered = second, backup
+                    extra = {FALLBACK_HEADER: target.version}
+                else:
+                    self.state.add(backup.version, True, _ms_since(started))
+            self.state.add(target.version, True, failed_ms, fallback=extra is not None)
+        if not isinstance(opened, tuple):
+            opened["headers"] = tagged_headers(opened["headers"], target.version)
+            return to_response(opened)
+        stream, head = opened
+
+        async def chunks():
+            failed = head.get("status", 200) >= 500
+            try:
+                async for chunk in stream:
+                    yield chunk
+            except Exception:
+                failed = True
+                raise
+            finally:
+                self.state.add(answered.version, failed, _ms_since(started))
+
+        headers = tagged_headers(head.get("headers", {}), answered.version, extra)
+        return StreamingResponse(chunks(), status_code=head.get("status", 200), headers=headers)
+
+    async def _open_stream(self, target: Target, req: dict[str, Any], timeout_s: float):
+        """(stream, head) once the first item came and is not a 5xx; else a JSON answer."""
+        stream = None
+        hosted = self._hosted(target)
+        try:
+            if hosted is not None:
+                stream = hosted.stream(req)
+            else:
+                stream = self._handle(target).options(stream=True).handle_http_stream.remote(req)
+            head = await asyncio.wait_for(stream.__anext__(), timeout_s)
+        except Exception as error:
+            if stream is not None:
+                await _cancel(stream)
+            if isinstance(error, TimeoutError):
+                reason, status = f"no first chunk within {timeout_s:g} s", 504
+            else:
+                reason, status = f"{type(error).__name__}: {str(error)[-300:]}", 502
+            return json_response(status, {"error": f"v{target.version}: {reason}"})
+        if head.get("status", 200) >= 500:
+            await _cancel(stream)
+            return json_response(502, {"error": f"v{target.version} answered {head['status']}"})
+        return stream, head
+
+    async def _forward(self, target: Target, req: dict[str, Any], timeout_s: float):
+        try:
+            response = self._handle(target).handle_http.remote(req)
+        except Exception as error:
+            return json_response(
+                502,
+                {
+                    "error": f"v{target.version} ({target.app}) is not "
+                    f"reachable: {type(error).__name__}: {error}"
+                },
+            )
+
+        async def result():
+            return await response
+
+        try:
+            return await asyncio.wait_for(result(), timeout_s)
+        except TimeoutError:
+            await _cancel(response)
+            return json_response(
+                504,
+                {"error": f"v{target.version} did not answer within {timeout_s:g} s"},
+            )
+        except Exception as error:
+            message = str(error).strip().splitlines()[-1] if str(error).strip() else ""
+            return json_response(
+                502,
+                {"error": f"v{target.version} failed: {type(error).__name__}: {message[:300]}"},
+            )
+
+
+async def _cancel(call: Any) -> None:
+    """Cancel a handle call (or close a hosted stream) that is no longer wanted; one whose
+    replica died may refuse."""
+    try:
+        if hasattr(call, "aclose"):
+            await call.aclose()
+        else:
+            call.cancel()
+    except Exception:  # nothing to cancel: the answer is already decided
+        logger.debug("could not cancel a call", exc_info=True)
+
+
+def _ms_since(started: float) -> float:
+    return (time.perf_counter() - started) * 1000
+
+
+def status_window(values: list[str]) -> int:
+    """The figures window of `GET <route>/-/status?window_s=N`: whole seconds within
+    [1, MAX_STATUS_WINDOW_S], STATUS_WINDOW_S when not given; a 400 for anything else."""
+    if not values:
+        return STATUS_WINDOW_S
+    expected = f"a whole number of seconds from 1 to {MAX_STATUS_WINDOW_S}"
+    if len(values) > 1:
+        raise BadRequest(400, f"window_s is given {len(values)} times; give it once: {expected}")
+    value = values[0]
+    if not re.fullmatch(r"[0-9]{1,6}", value) or not 1 <= int(value) <= MAX_STATUS_WINDOW_S:
+        raise BadRequest(400, f"window_s must be {expected}, got {describe(value)}", "window_s")
+    return int(value)
+
+
+def _wants_stream(req: dict[str, Any]) -> bool:
+    """An OpenAI-style `"stream": true` request (LLM targets answer it in chunks)."""
+    body = req.get("body", b"")
+    if b'"stream"' not in body:
+        return False
+    try:
+        payload = parse_json(body)
+    except BadRequest:  # the target answers it with its own 4xx
+        return False
+    return isinstance(payload, dict) and payload.get("stream") is True
+
+
+def build_router_app(args: dict[str, Any]) -> Any:
+    """Application builder (`prefect_ray_lifecycle.workloads.serve.router:build_router_app`):
+    args are {"route": name, "max_body_bytes": int, "serving": {num_replicas, num_cpus, num_gpus,
+    max_ongoing_requests}} (an LLM route's router takes an LLM replica's CPUs and GPUs)."""
+    route = str(args.get("route") or "")
+    if not route:
+        raise ValueError("router args need a route name")
+    serving = dict(args.get("serving") or {})
+    actor: dict[str, Any] = {"num_cpus": float(serving.get("num_cpus", 0.25))}
+    if serving.get("num_gpus"):
+        actor["num_gpus"] = float(serving["num_gpus"])
+    options: dict[str, Any] = {
+        "num_replicas": int(serving.get("num_replicas", 1)),
+        "ray_actor_options": actor,
+        "max_ongoing_requests": int(serving.get("max_ongoing_requests", 64)),
+    }
+    return Router.options(**options).bind(route, int(args.get("max_body_bytes", MAX_BODY_BYTES)))
