@@ -202,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or str(build_tiny_llm(workdir / "tiny", python=args.python))
         cluster = RayCluster(address=args.address, num_cpus=None if args.address else args.num_cpus)
         with cluster.connect():
-            from ray.serve.context import _get_global_client
+            from prefect_ray_lifecycle.compat import ray_internals
 
-            started_serve = _get_global_client(raise_if_no_controller_running=False) is None
+            started_serve = ray_internals.serve_client_if_running() is None
             if started_serve:
                 (port,) = local.free_ports(1)
                 serve.start(http_options={"host": local.HOST, "port": port})
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 deploy_llm_app(spec, name=APP_NAME)
                 deploy_s = time.perf_counter() - started
-                http_port = _get_global_client().http_config.port
+                http_port = ray_internals.serve_client().http_config.port
                 # As a rollout leaves an LLM route: the router hosts the live version in its
                 # replica (in the LLM venv, with an LLM replica's resources), or forwards.
                 host = not args.forward

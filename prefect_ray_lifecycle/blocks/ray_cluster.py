@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, field_validator
 
-from prefect_ray_lifecycle.control.ray_shutdown import wait_for_shutdown
+from prefect_ray_lifecycle.compat import ray_internals
+from prefect_ray_lifecycle.control.ray_shutdown import shutdown_in_background, wait_for_shutdown
 from prefect_ray_lifecycle.control.shipping import DRIVER_SIDE, RAY_SIDE, package_part
 from prefect_ray_lifecycle.workloads.constants import PROJECT_NAMESPACE
 
@@ -102,12 +103,7 @@ def _forget_serve_handles() -> None:
     if "ray.serve" not in sys.modules:
         return
     try:
-        from ray.serve.context import _disconnect, _get_global_client
-
-        client = _get_global_client(raise_if_no_controller_running=False)
-        if client is not None:
-            client.shutdown_cached_handles()
-        _disconnect()
+        ray_internals.forget_serve_client()
     except Exception:  # never mask what the block's user was doing
         pass
 
@@ -273,9 +269,23 @@ class RayCluster(Block):
         return kwargs
 
     @contextlib.contextmanager
-    def connect(self) -> Iterator[Any]:
-        """Connect this process to the cluster for the block's lifetime; shut down only what we
-        started. Yields the Ray context (or None when Ray was already initialised here)."""
+    def connect(
+        self,
+        *,
+        job_config: Any = None,
+        setup_hook: Any = None,
+        stop_in_background: bool = False,
+    ) -> Iterator[Any]:
+        """Connect this process to the cluster for the block's lifetime: the one way the
+        project joins Ray (flows, the data task and the task runner alike). Shuts down only
+        what it started. Yields the Ray context, or None when Ray was already initialised here
+        (a parent flow's connection, used as it is).
+
+        job_config: the Ray JobConfig of the job (e.g. the flow run id in its metadata).
+        setup_hook: a worker_process_setup_hook every worker of the job runs at start.
+        Ray Client (ray://) takes neither: it sends ray.init's arguments as JSON.
+        stop_in_background: stop Ray off the critical path at the end (control.ray_shutdown):
+        what follows (publishing, ending the run) need not wait for it."""
         import ray
 
         wait_for_shutdown()  # a connection still stopping in the background is not one
@@ -283,16 +293,23 @@ class RayCluster(Block):
             yield None
             return
         self.export_auth_token()
+        kwargs = self.init_kwargs()
+        if not self.address.startswith("ray://"):
+            if job_config is not None:
+                kwargs["job_config"] = job_config
+            if setup_hook is not None:
+                kwargs["runtime_env"]["worker_process_setup_hook"] = setup_hook
         context = retry_client_start(
-            lambda: ray.init(self.ray_init_address, **self.init_kwargs()),
-            self.address,
-            ray.shutdown,
+            lambda: ray.init(self.ray_init_address, **kwargs), self.address, ray.shutdown
         )
         try:
             yield context
         finally:
             _forget_serve_handles()
-            ray.shutdown()
+            if stop_in_background:
+                shutdown_in_background()
+            else:
+                ray.shutdown()
 
     def export_auth_token(self) -> None:
         """Ray reads its token from the environment only; this process then carries it."""
@@ -301,10 +318,6 @@ class RayCluster(Block):
         os.environ["RAY_AUTH_MODE"] = "token"
         os.environ["RAY_AUTH_TOKEN"] = self.auth_token.get_secret_value()
         if "ray" in sys.modules:
-            # Ray caches its auth mode and token at first use in a process; refresh them the
-            # way Ray itself does when it turns token auth on (Ray 2.60 internals).
+            # Ray caches its auth mode and token at first use in a process.
             with contextlib.suppress(ImportError, AttributeError):
-                from ray._raylet import AuthenticationTokenLoader, Config
-
-                Config.initialize("")
-                AuthenticationTokenLoader.instance().reset_cache()
+                ray_internals.refresh_auth_token()

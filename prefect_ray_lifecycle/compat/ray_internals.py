@@ -1,1 +1,214 @@
-"""Ray's private names the project relies on (filled below)."""
+"""Every private Ray name the project relies on, and nothing else.
+
+Each function says what it relies on and the Ray version it was checked against; an upgrade
+that removes one fails tests/test_compat.py, naming the symbol (`SYMBOLS` lists them all).
+Imports nothing from Prefect: Serve replicas, the router and the LLM venv load it, and the
+task runner's worker setup hook imports it in every worker of a job. Ray loads lazily.
+
+Checked against Ray 2.60.0.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from prefect_ray_lifecycle.compat import Symbol
+
+__all__ = [
+    "SYMBOLS",
+    "dashboard_url",
+    "forget_serve_client",
+    "internal_kv_del",
+    "internal_kv_put",
+    "is_script_mode",
+    "is_worker_mode",
+    "refresh_auth_token",
+    "remote_function_name",
+    "reset_tune_registry_prefix",
+    "serve_app_configs",
+    "serve_client",
+    "serve_client_if_running",
+    "stdstream_handler",
+    "task_attempt_number",
+    "task_option_names",
+    "wrap_remote_submit",
+]
+
+# Every private name used below: tests/test_compat.py resolves each one and fails naming it
+# when an upgrade removed or moved it.
+SYMBOLS: tuple[Symbol, ...] = (
+    Symbol("ray._private.worker", "global_worker"),
+    Symbol("ray._private.worker", "Worker.mode", instance=True),
+    Symbol("ray._private.worker", "Worker.core_worker", instance=True),
+    Symbol("ray._raylet", "CoreWorker.get_current_task_attempt_number"),
+    Symbol("ray._private.worker", "WORKER_MODE"),
+    Symbol("ray._private.worker", "SCRIPT_MODE"),
+    Symbol("ray._private.worker", "get_dashboard_url"),
+    Symbol("ray._private.ray_logging", "global_worker_stdstream_dispatcher.add_handler"),
+    Symbol("ray._private.ray_logging", "global_worker_stdstream_dispatcher.remove_handler"),
+    Symbol("ray._common.ray_option_utils", "task_options"),
+    Symbol("ray._raylet", "Config.initialize"),
+    Symbol("ray._raylet", "AuthenticationTokenLoader.instance"),
+    Symbol("ray._raylet", "AuthenticationTokenLoader.reset_cache"),
+    Symbol("ray.experimental.internal_kv", "_internal_kv_put"),
+    Symbol("ray.experimental.internal_kv", "_internal_kv_del"),
+    Symbol("ray.remote_function", "RemoteFunction._remote"),
+    Symbol("ray.remote_function", "RemoteFunction._function_descriptor", instance=True),
+    Symbol("ray.remote_function", "RemoteFunction._function_name", instance=True),
+    Symbol("ray.serve.context", "_connect"),
+    Symbol("ray.serve.context", "_disconnect"),
+    Symbol("ray.serve.context", "_get_global_client"),
+    Symbol("ray.serve._private.client", "ServeControllerClient._controller", instance=True),
+    Symbol("ray.serve._private.client", "ServeControllerClient.shutdown_cached_handles"),
+    Symbol("ray.tune.registry", "_global_registry"),
+    Symbol("ray.tune.registry", "_Registry._prefix", instance=True),
+)
+
+SUBMIT_WRAPPED = "_prl_wraps_submit"  # marks our wrapper on RemoteFunction._remote
+
+
+def _module(name: str) -> Any:
+    """A Ray submodule, with Ray itself imported first: importing a private submodule before
+    the package can run into a half-initialised `ray` (seen with ray._common.ray_option_utils)."""
+    import ray  # noqa: F401
+
+    return importlib.import_module(name)
+
+
+def _global_worker() -> Any:
+    return _module("ray._private.worker").global_worker
+
+
+def task_attempt_number() -> int:
+    """Which attempt of the running Ray task this is (0 first; a re-run after a system failure
+    counts up). Relies on `global_worker.core_worker.get_current_task_attempt_number()`."""
+    return _global_worker().core_worker.get_current_task_attempt_number()
+
+
+def is_worker_mode() -> bool:
+    """This process is a Ray worker (not a driver, nor a Ray Client). Relies on
+    `ray._private.worker.global_worker.mode` and `WORKER_MODE`."""
+    worker = _module("ray._private.worker")
+    return worker.global_worker.mode == worker.WORKER_MODE
+
+
+def is_script_mode() -> bool:
+    """This process is a driver connected by GCS address (it gets the cluster's log stream;
+    a Ray Client process does not). Relies on `global_worker.mode` and `SCRIPT_MODE`."""
+    worker = _module("ray._private.worker")
+    return worker.global_worker.mode == worker.SCRIPT_MODE
+
+
+def dashboard_url() -> str | None:
+    """The dashboard URL Ray reports for this connection. Relies on
+    `ray._private.worker.get_dashboard_url()`."""
+    return _module("ray._private.worker").get_dashboard_url()
+
+
+def stdstream_handler(name: str, handler: Callable[[dict[str, Any]], None] | None) -> None:
+    """Add (or with None remove) a handler of the stdout/stderr lines Ray forwards from
+    workers to this driver. Relies on `ray._private.ray_logging.
+    global_worker_stdstream_dispatcher.add_handler/remove_handler(name[, handler])`."""
+    dispatcher = _module("ray._private.ray_logging")
+    dispatcher = dispatcher.global_worker_stdstream_dispatcher
+    if handler is None:
+        dispatcher.remove_handler(name)
+    else:
+        dispatcher.add_handler(name, handler)
+
+
+def task_option_names() -> frozenset[str]:
+    """Every option `ray.remote` takes for a task. Relies on
+    `ray._common.ray_option_utils.task_options` (a dict keyed by option name)."""
+    return frozenset(_module("ray._common.ray_option_utils").task_options)
+
+
+def refresh_auth_token() -> None:
+    """Make this process read Ray's token settings again (Ray caches its auth mode and token
+    at first use), the way Ray does when it turns token auth on. Relies on
+    `ray._raylet.Config.initialize("")` and `AuthenticationTokenLoader.instance().
+    reset_cache()`."""
+    raylet = _module("ray._raylet")
+    raylet.Config.initialize("")
+    raylet.AuthenticationTokenLoader.instance().reset_cache()
+
+
+def internal_kv_put(key: str, value: bytes, namespace: str) -> None:
+    """Put into the cluster's KV store (no public API). Relies on
+    `ray.experimental.internal_kv._internal_kv_put(key, value, namespace=)`."""
+    kv = _module("ray.experimental.internal_kv")
+    kv._internal_kv_put(key, value, namespace=namespace)
+
+
+def internal_kv_del(key: str, namespace: str) -> bool:
+    """Delete from the cluster's KV store; whether the key was there. Relies on
+    `ray.experimental.internal_kv._internal_kv_del(key, namespace=)` returning the count."""
+    kv = _module("ray.experimental.internal_kv")
+    return bool(kv._internal_kv_del(key, namespace=namespace))
+
+
+def wrap_remote_submit(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace `RemoteFunction._remote` (what `.remote()` and `.options().remote()` of every
+    Ray task call) by `wrap(original)`, once per process; False when already wrapped. Relies
+    on `ray.remote_function.RemoteFunction._remote(self, args, kwargs, **options)`."""
+    remote_function = _module("ray.remote_function").RemoteFunction
+    if getattr(remote_function._remote, SUBMIT_WRAPPED, False):
+        return False
+    wrapped = functools.wraps(remote_function._remote)(wrap(remote_function._remote))
+    setattr(wrapped, SUBMIT_WRAPPED, True)
+    remote_function._remote = wrapped
+    return True
+
+
+def remote_function_name(remote_function: Any) -> str:
+    """The plain name of the function a RemoteFunction runs. Relies on its
+    `_function_descriptor.function_name`, else `_function_name` (module-qualified)."""
+    name = getattr(remote_function._function_descriptor, "function_name", "") or (
+        remote_function._function_name
+    )
+    return name.rsplit(".", 1)[-1]
+
+
+def serve_client() -> Any:
+    """This driver's Serve controller client, connecting to a running Serve. Relies on
+    `ray.serve.context._connect()`."""
+    return _module("ray.serve.context")._connect()
+
+
+def serve_client_if_running() -> Any:
+    """The Serve client this process already has, or None. Relies on
+    `ray.serve.context._get_global_client(raise_if_no_controller_running=False)`."""
+    context = _module("ray.serve.context")
+    return context._get_global_client(raise_if_no_controller_running=False)
+
+
+def serve_app_configs() -> dict[str, Any]:
+    """Every declaratively deployed app's config by name, as Serve's controller keeps them
+    (what `serve deploy` would send back). Relies on the client's `_controller` actor handle
+    and its `get_app_configs()` method."""
+    import ray
+
+    return ray.get(serve_client()._controller.get_app_configs.remote())
+
+
+def forget_serve_client() -> None:
+    """Shut this driver's cached Serve handles down and forget the controller: after
+    ray.shutdown a live handle's metrics push would start a new local Ray in this process.
+    Relies on `_get_global_client(...).shutdown_cached_handles()` and
+    `ray.serve.context._disconnect()`."""
+    context = _module("ray.serve.context")
+    client = context._get_global_client(raise_if_no_controller_running=False)
+    if client is not None:
+        client.shutdown_cached_handles()
+    context._disconnect()
+
+
+def reset_tune_registry_prefix() -> None:
+    """Forget the job id Tune's registry cached as its key prefix at first use in this
+    process: after a second ray.init (a new job) it would register an env where that job's
+    workers never look ("Environment ... doesn't exist"). Relies on
+    `ray.tune.registry._global_registry._prefix`."""
+    _module("ray.tune.registry")._global_registry._prefix = None

@@ -15,11 +15,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
 from ray import serve
-from ray.serve.context import _connect
 from ray.serve.schema import ServeDeploySchema
 
+from prefect_ray_lifecycle.compat import ray_internals
 from prefect_ray_lifecycle.workloads.constants import POLICY_DEPLOYMENT, ROUTER_DEPLOYMENT
 from prefect_ray_lifecycle.workloads.serve.route_state import drop_route_state
 from prefect_ray_lifecycle.workloads.serve.router_config import RouterConfig
@@ -65,7 +64,7 @@ def start(host: str = "127.0.0.1", port: int = 8000) -> Any:
     """Start Serve (or connect to it) with its HTTP proxy on host:port; returns the client.
     A running Serve keeps its own HTTP options: a different port is an error."""
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
-    client = _connect()
+    client = ray_internals.serve_client()
     config = client.http_config
     if (config.host, config.port) != (host, port):
         raise ServeControlError(
@@ -85,13 +84,9 @@ def release() -> None:
             pass
 
 
-def _client() -> Any:
-    return _connect()
-
-
 def app_configs() -> dict[str, dict[str, Any]]:
     """Every declaratively deployed app's config, by name."""
-    configs = ray.get(_client()._controller.get_app_configs.remote())
+    configs = ray_internals.serve_app_configs()
     return {name: c.model_dump(exclude_unset=True) for name, c in configs.items()}
 
 
@@ -107,7 +102,7 @@ def apply(
     for name in deletes:
         configs.pop(name, None)
     schema = ServeDeploySchema.model_validate({"applications": list(configs.values())})
-    _client().deploy_apps(schema)
+    ray_internals.serve_client().deploy_apps(schema)
     deadline = time.monotonic() + wait_deleted_s
     while deletes and time.monotonic() < deadline:
         if not set(deletes) & set(details().get("applications", {})):
@@ -163,7 +158,7 @@ def with_user_config(
 
 
 def details() -> dict[str, Any]:
-    return _client().get_serve_details()
+    return ray_internals.serve_client().get_serve_details()
 
 
 def app_names() -> set[str]:

@@ -33,8 +33,9 @@ from prefect_ray_lifecycle.flows.register import (
 from prefect_ray_lifecycle.flows.rollout import RolloutResult, serve_rollout
 from prefect_ray_lifecycle.flows.tune_sweep import tune_sweep
 from prefect_ray_lifecycle.tasks import lineage
+from prefect_ray_lifecycle.tasks._base import mlflow_task
 from prefect_ray_lifecycle.tasks.params import Text
-from prefect_ray_lifecycle.tasks.register import EvaluationSummary, mlflow_task
+from prefect_ray_lifecycle.tasks.register import EvaluationSummary
 from prefect_ray_lifecycle.tasks.rollout.config import Gates, Serving
 from prefect_ray_lifecycle.tasks.tune.config import (
     DEFAULT_STORAGE_ROOT,

@@ -8,7 +8,6 @@ copy shipped through runtime_env, or the flow's own checkout).
 from __future__ import annotations
 
 import os
-import sys
 from typing import Annotated
 
 from prefect import flow, task
@@ -16,6 +15,7 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
 from prefect_ray_lifecycle.blocks import RayCluster
+from prefect_ray_lifecycle.compat import prefect_internals
 from prefect_ray_lifecycle.ray_runner import RayClusterTaskRunner
 
 
@@ -44,11 +44,7 @@ def probe(index: int) -> WorkerProbe:
 
     from prefect_ray_lifecycle import workloads
 
-    server_module = sys.modules.get("prefect.server.api.server")
-    temporary = bool(
-        server_module
-        and any(s.running for s in server_module.SubprocessASGIServer._instances.values())
-    )
+    temporary = prefect_internals.temporary_server_running()
     return WorkerProbe(
         index=index,
         pid=os.getpid(),

@@ -24,16 +24,13 @@ from prefect_ray_lifecycle.blocks import MLflowServer, RayCluster
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.control.convergence import Observed, Step, next_step
 from prefect_ray_lifecycle.flows.register import DEFAULT_MODEL_NAME
-from prefect_ray_lifecycle.flows.rollout import (
-    RolloutResult,
-    finish_interrupted,
-    route_holder,
-    serve_rollout,
-)
+from prefect_ray_lifecycle.flows.rollout import RolloutResult, serve_rollout
 from prefect_ray_lifecycle.tasks.params import Text
 from prefect_ray_lifecycle.tasks.rollout.apps import route_context
 from prefect_ray_lifecycle.tasks.rollout.claim import hold_route, mark_crashed
 from prefect_ray_lifecycle.tasks.rollout.config import Gates, LLMServing, Serving
+from prefect_ray_lifecycle.tasks.rollout.recovery import finish_interrupted
+from prefect_ray_lifecycle.tasks.rollout.rollout import route_holder
 from prefect_ray_lifecycle.workloads.constants import ROUTER_DEPLOYMENT
 from prefect_ray_lifecycle.workloads.serve.router_config import TargetKind
 

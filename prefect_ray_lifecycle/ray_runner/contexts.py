@@ -32,12 +32,11 @@ from prefect.context import (
     SyncClientContext,
     TagsContext,
     TaskRunContext,
-    _deployment_id,
-    _deployment_parameters,
 )
 from prefect.tasks import Task
 from prefect.utilities.importtools import lazy_import
 
+from prefect_ray_lifecycle.compat import prefect_internals
 from prefect_ray_lifecycle.ray_runner.settings import deep_merge
 
 # Ray loads on first use (as in prefect-ray): importing a flow module must not pay for it.
@@ -71,7 +70,7 @@ class ContextShipper:
         "flow_run_context" as Shipped handles; the parts that change per submit inline."""
         task_run = TaskRunContext.get()
         tags = TagsContext.get()
-        deployment_id = _deployment_id.get()
+        deployment_id = prefect_internals.deployment_id()
         asset = AssetContext.from_task_and_inputs(
             task=task, task_run_id=task_run_id, task_inputs=task_inputs, copy_to_child_ctx=True
         )
@@ -82,7 +81,7 @@ class ContextShipper:
             "tags_context": tags.serialize() if tags else {},
             "asset_context": asset.serialize(),
             "deployment_id": str(deployment_id) if deployment_id else None,
-            "deployment_parameters": _deployment_parameters.get(),
+            "deployment_parameters": prefect_internals.deployment_parameters(),
         }
 
     def _ship_settings(self, settings: SettingsContext) -> Shipped:

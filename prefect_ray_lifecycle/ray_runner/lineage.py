@@ -8,8 +8,6 @@ link artifact to its job on the Ray dashboard.
 
 from __future__ import annotations
 
-import inspect
-import os
 import re
 from typing import Any
 from uuid import UUID
@@ -20,6 +18,7 @@ from prefect.logging.loggers import get_logger
 from prefect.utilities.importtools import lazy_import
 
 from prefect_ray_lifecycle.blocks.ray_cluster import RayCluster
+from prefect_ray_lifecycle.compat import ray_internals
 
 # Ray loads on first use (as in prefect-ray): importing a flow module must not pay for it.
 ray = lazy_import("ray")
@@ -57,32 +56,6 @@ def child_tasks_key(flow_run_id: UUID | str) -> str:
     return f"children-of-flow-run:{flow_run_id}"
 
 
-def flow_run_being_started() -> UUID | None:
-    """The flow run whose engine is entering this task runner. Prefect 3 enters the runner
-    before the FlowRunContext (FlowRunContext.get() is then the parent of a subflow, or
-    None), so the id is read from the engine's frame; PREFECT__FLOW_RUN_ID (set for
-    deployment runs) is the fallback."""
-    # Imported here: Ray workers import this package and never need the flow engine.
-    from prefect.flow_engine import BaseFlowRunEngine
-
-    frame = inspect.currentframe()
-    try:
-        for _ in range(12):
-            frame = frame.f_back if frame is not None else None
-            if frame is None:
-                break
-            engine = frame.f_locals.get("self")
-            if isinstance(engine, BaseFlowRunEngine) and engine.flow_run is not None:
-                return engine.flow_run.id
-    finally:
-        del frame
-    value = os.environ.get("PREFECT__FLOW_RUN_ID")
-    try:
-        return UUID(value) if value else None
-    except ValueError:
-        return None
-
-
 def job_config(flow_run_id: UUID) -> Any:
     """The Ray JobConfig of a job started for this flow run: its id in the job's metadata."""
     return ray.job_config.JobConfig(metadata={JOB_METADATA_FLOW_RUN_ID: str(flow_run_id)})
@@ -93,7 +66,7 @@ def ray_dashboard_url(cluster: RayCluster, ray_context: Any = None) -> str | Non
     url = (
         cluster.dashboard_url
         or getattr(ray_context, "dashboard_url", None)
-        or (ray._private.worker.get_dashboard_url() if ray.is_initialized() else None)
+        or (ray_internals.dashboard_url() if ray.is_initialized() else None)
     )
     if not url:
         return None

@@ -23,6 +23,7 @@ from prefect.logging.loggers import get_logger
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.utilities.importtools import lazy_import
 
+from prefect_ray_lifecycle.compat import ray_internals
 from prefect_ray_lifecycle.ray_runner.lineage import NAME_TAG, child_tasks_key, prefect_ids_in_name
 from prefect_ray_lifecycle.workloads.constants import PROJECT_NAMESPACE
 
@@ -152,8 +153,7 @@ class ChildTaskLogs:
         Ray's KV store), wait until the log stream has been quiet for QUIET_S, at most
         DRAIN_LIMIT_S, then until the sender thread has posted: their last lines may still
         be on their way. A flow run without such tasks pays one KV lookup."""
-        internal_kv = ray.experimental.internal_kv
-        if not internal_kv._internal_kv_del(
+        if not ray_internals.internal_kv_del(
             child_tasks_key(flow_run_id), namespace=PROJECT_NAMESPACE
         ):
             return
@@ -168,13 +168,12 @@ class ChildTaskLogs:
     @classmethod
     def start(cls, api_url: str) -> bool:
         """Take a share of the log stream handler; False where this process has no stream."""
-        worker = ray._private.worker.global_worker
-        if worker.mode != ray._private.worker.SCRIPT_MODE:
+        if not ray_internals.is_script_mode():
             return False  # Ray Client or a driver inside a worker: no log stream here
         with cls._lock:
             cls._users += 1
             if cls._users == 1:
-                ray._private.ray_logging.global_worker_stdstream_dispatcher.add_handler(
+                ray_internals.stdstream_handler(
                     cls.HANDLER, lambda data: cls._forward_safely(api_url, data)
                 )
         return True
@@ -187,9 +186,7 @@ class ChildTaskLogs:
                 return
             cls._users -= 1
             if cls._users == 0:
-                ray._private.ray_logging.global_worker_stdstream_dispatcher.remove_handler(
-                    cls.HANDLER
-                )
+                ray_internals.stdstream_handler(cls.HANDLER, None)
 
     @classmethod
     def _forward_safely(cls, api_url: str, data: dict[str, Any]) -> None:

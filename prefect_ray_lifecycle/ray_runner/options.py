@@ -5,10 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from prefect.utilities.importtools import lazy_import
-
-# Ray loads on first use (as in prefect-ray): importing a flow module must not pay for it.
-ray = lazy_import("ray")
+from prefect_ray_lifecycle.compat import ray_internals
 
 RAY_OPTIONS_ATTRIBUTE = "__ray_options__"
 
@@ -25,7 +22,7 @@ def ray_options(**options: Any) -> Callable[[F], F]:
     Any `ray.remote` option is accepted (num_cpus, num_gpus, memory, resources, runtime_env,
     scheduling_strategy, ...). prefect-ray's `remote_options` context still wins over these.
     """
-    unknown = set(options) - set(ray._common.ray_option_utils.task_options)
+    unknown = set(options) - ray_internals.task_option_names()
     if unknown:
         raise ValueError(f"unknown Ray task options: {sorted(unknown)}")
 

@@ -10,6 +10,7 @@ of the same task run (worker).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Iterable
@@ -26,13 +27,16 @@ from prefect.tasks import Task
 from prefect.utilities.engine import collect_task_run_inputs_sync
 from prefect.utilities.importtools import lazy_import
 from prefect_ray.context import RemoteOptionsContext
-from prefect_ray.task_runners import PrefectRayFuture, RayTaskRunner
 
-from prefect_ray_lifecycle.blocks.ray_cluster import RayCluster, retry_client_start
-from prefect_ray_lifecycle.control.ray_shutdown import wait_for_shutdown
+from prefect_ray_lifecycle.blocks.ray_cluster import RayCluster
+from prefect_ray_lifecycle.compat import ray_internals
+from prefect_ray_lifecycle.compat.prefect_internals import (
+    RayFuture,
+    RayRunnerBase,
+    flow_run_being_started,
+)
 from prefect_ray_lifecycle.ray_runner.contexts import ContextShipper
 from prefect_ray_lifecycle.ray_runner.lineage import (
-    flow_run_being_started,
     job_config,
     link_flow_run,
     ray_task_name,
@@ -60,7 +64,7 @@ RAY_CLIENT_LIMITS = (
 CRASH_EVENTS_LAG_S = 3.0  # how long a crashed task's last events may take to be recorded
 
 
-class RayClusterTaskRunner(RayTaskRunner):
+class RayClusterTaskRunner(RayRunnerBase):
     """A prefect-ray RayTaskRunner on a RayCluster block (an embedded local Ray when None).
 
     remote_defaults: Ray task options for every task (a task's ray_options and prefect-ray's
@@ -94,6 +98,8 @@ class RayClusterTaskRunner(RayTaskRunner):
         self._child_logs = False  # this runner holds a share of ChildTaskLogs' handler
         self._links_flow_run = True  # False in a Ray worker: the driver links the flow run
         self._warn_ray_client = False  # say in the flow run's log what Ray Client lacks
+        self._connection: contextlib.ExitStack | None = None  # the block's, in the driver
+        self._joined: Any = None  # what ray.init returned when this runner started Ray
         # ray.init's arguments are made when the driver enters the runner (they ship the
         # project's package): copies of the runner in Ray workers never start Ray.
         super().__init__(address=self.cluster.ray_init_address)
@@ -123,24 +129,28 @@ class RayClusterTaskRunner(RayTaskRunner):
             super().__enter__()
             return self
         self._shipper = ContextShipper(worker_settings_overrides(prefect_api_url()))
-        self.cluster.export_auth_token()
         # Prefect enters the task runner before it opens the flow run's context: the run
         # being started is read from the engine (None when not found; linked at first submit).
         self._flow_run_id = flow_run_being_started()
-        wait_for_shutdown()  # a connection still stopping in the background is not one
-        if not ray.is_initialized():  # we start the Ray job
-            self.init_kwargs = self._job_init_kwargs()
-        retry_client_start(super().__enter__, self.cluster.address, self._reset_start)
+        # Ray is joined the block's way (the job's flow run id, the child-task tagging hook in
+        # every worker); prefect-ray then finds Ray initialised and only marks itself started.
+        self._connection = contextlib.ExitStack()
+        try:
+            self._joined = self._connection.enter_context(
+                self.cluster.connect(
+                    job_config=job_config(self._flow_run_id) if self._flow_run_id else None,
+                    setup_hook=worker_setup_hook(),
+                )
+            )
+            super().__enter__()
+        except BaseException:
+            self._connection.close()
+            raise
         self._child_logs = ChildTaskLogs.start(self._shipper.worker_settings["api"]["url"])
         self._warn_ray_client = ray.util.client.ray.is_connected()
         if self._flow_run_id is not None:
             self._link_flow_run(self._flow_run_id)
         return self
-
-    def _reset_start(self) -> None:
-        """Back to before __enter__, after a Ray Client connection that failed to start."""
-        self._started = False
-        ray.shutdown()
 
     def __exit__(self, *exc_info: Any) -> None:
         try:
@@ -150,21 +160,12 @@ class RayClusterTaskRunner(RayTaskRunner):
             if self._child_logs:
                 self._child_logs = False
                 ChildTaskLogs.stop()
-            super().__exit__(*exc_info)
-
-    def _job_init_kwargs(self) -> dict[str, Any]:
-        """ray.init kwargs of the job this runner starts: the flow run id in its metadata and
-        the child-task tagging hook in every worker. Ray Client carries neither (it sends
-        ray.init's arguments as JSON and the job config through plain pickle)."""
-        kwargs = self.cluster.init_kwargs()
-        if self.uses_ray_client:
-            return kwargs
-        if self._flow_run_id is not None:
-            kwargs["job_config"] = job_config(self._flow_run_id)
-        runtime_env = dict(kwargs.get("runtime_env") or {})
-        runtime_env.setdefault("worker_process_setup_hook", worker_setup_hook())
-        kwargs["runtime_env"] = runtime_env
-        return kwargs
+            try:
+                super().__exit__(*exc_info)
+            finally:
+                if self._connection is not None:  # leaves Ray if this runner joined it
+                    self._connection.close()
+                    self._connection = None
 
     @property
     def uses_ray_client(self) -> bool:
@@ -172,12 +173,12 @@ class RayClusterTaskRunner(RayTaskRunner):
         return self.cluster.address.startswith("ray://")
 
     def _link_flow_run(self, flow_run_id: UUID) -> None:
-        link_flow_run(flow_run_id, self.cluster, self._ray_context if self._owns_ray else None)
+        link_flow_run(flow_run_id, self.cluster, self._joined)
 
     @property
     def shipper(self) -> ContextShipper:
         """Ships each submit's Prefect context; made at the first submit in a Ray worker."""
-        if not self._started:
+        if not self.started:
             raise RuntimeError("The task runner must be started before submitting work.")
         if self._shipper is None:
             self._shipper = ContextShipper(worker_settings_overrides(prefect_api_url()))
@@ -202,18 +203,17 @@ class RayClusterTaskRunner(RayTaskRunner):
         parameters: dict[str, Any],
         wait_for: Iterable[PrefectFuture[Any]] | None = None,
         dependencies: dict[str, set[Any]] | None = None,
-    ) -> PrefectRayFuture[Any]:
+    ) -> RayFuture[Any]:
         # Mirrors RayTaskRunner.submit, plus: worker settings, Ray-level defaults, and the
         # flow run id in the Ray task name so the dashboard ties each task to its flow run.
-        if not self._started:
+        if not self.started:
             raise RuntimeError("The task runner must be started before submitting work.")
         task_run_id = uuid4()
         task_inputs = {
-            k: collect_task_run_inputs_sync(v, future_cls=PrefectRayFuture)
-            for k, v in parameters.items()
+            k: collect_task_run_inputs_sync(v, future_cls=RayFuture) for k, v in parameters.items()
         }
         context = self.shipper.context(task, task_run_id, task_inputs)
-        parameters, upstream_refs = self._exchange_prefect_for_ray_futures(parameters)
+        parameters, upstream_refs = self.exchange_futures(parameters)
         options = {
             **self.remote_defaults,
             **getattr(task.fn, RAY_OPTIONS_ATTRIBUTE, {}),
@@ -253,15 +253,11 @@ class RayClusterTaskRunner(RayTaskRunner):
 
 def in_ray_worker() -> bool:
     """This process is a Ray worker (not a driver, nor a Ray Client)."""
-    return (
-        "ray" in sys.modules
-        and ray.is_initialized()
-        and ray._private.worker.global_worker.mode == ray._private.worker.WORKER_MODE
-    )
+    return "ray" in sys.modules and ray.is_initialized() and ray_internals.is_worker_mode()
 
 
-class CrashRecordingRayFuture(PrefectRayFuture):
-    """A PrefectRayFuture that, when Ray gives up on a crashed task, also records Crashed in
+class CrashRecordingRayFuture(RayFuture):
+    """A prefect-ray future that, when Ray gives up on a crashed task, also records Crashed in
     the API (stock prefect-ray only keeps it in the flow process, and the UI shows Running,
     or nothing at all when the dead worker never sent its events)."""
 
@@ -273,12 +269,12 @@ class CrashRecordingRayFuture(PrefectRayFuture):
         self._record_crash()
 
     def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
-        if self._final_state is None:
+        if self.final_state is None:
             self.wait(timeout)
         return super().result(timeout=timeout, raise_on_failure=raise_on_failure)
 
     def _record_crash(self) -> None:
-        state = self._final_state
+        state = self.final_state
         if state is None or not state.is_crashed() or getattr(self, "_crash_recorded", False):
             return
         self._crash_recorded = True

@@ -10,7 +10,7 @@ blocked in ray.get on a zero-CPU timer task, so its CPUs serve other tasks meanw
 
 Functions pickled by value (see pickled_by_value) import what they need inside their body and
 read no module global but the few pickled_by_value supplies: a worker then loads them without
-importing this package and Prefect.
+importing Prefect (only Ray and the package's compat module for Ray's private names).
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ from collections.abc import Iterable
 from typing import Any
 from uuid import UUID
 
-from prefect._flow_run_suspension import raise_if_flow_run_suspension_requested
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.objects import TaskRun
-from prefect.events.worker import EventsWorker
 from prefect.futures import PrefectFuture
 from prefect.logging.loggers import get_logger
 from prefect.states import AwaitingRetry, State
@@ -35,6 +33,8 @@ from prefect.utilities.collections import visit_collection
 from prefect.utilities.engine import emit_task_run_state_change_event
 from prefect.utilities.importtools import lazy_import
 
+from prefect_ray_lifecycle.compat import prefect_internals, ray_internals
+from prefect_ray_lifecycle.compat.prefect_internals import raise_if_flow_run_suspension_requested
 from prefect_ray_lifecycle.ray_runner.contexts import worker_context
 from prefect_ray_lifecycle.ray_runner.lineage import (
     NAME_TAG,
@@ -78,7 +78,7 @@ def run_on_ray(
         visit_fn=lambda x: ray.get(x) if isinstance(x, ray.ObjectRef) else x,
         return_data=True,
     )
-    attempt = ray._private.worker.global_worker.core_worker.get_current_task_attempt_number()
+    attempt = ray_internals.task_attempt_number()
     with prefect_context.entered():
         task_run = None
         if attempt > 0:
@@ -158,7 +158,7 @@ def wait_events_sent(timeout: float = EVENTS_SENT_TIMEOUT_S) -> None:
     """Wait (at most `timeout` s) until this process's events worker has sent every queued
     event. Run before a task body starts: a worker that dies in the body (os._exit, OOM kill)
     then leaves its Running state recorded, so the crash counts as an attempt."""
-    pending = EventsWorker.instance()._queue  # a queue.Queue, task_done() once sent
+    pending = prefect_internals.pending_events()
     deadline = time.monotonic() + timeout
     with pending.all_tasks_done:
         while pending.unfinished_tasks and (remaining := deadline - time.monotonic()) > 0:
@@ -250,36 +250,29 @@ def tag_child_tasks() -> None:
     Installed in every worker of the runner's job at its start (worker_setup_hook), else once
     in each worker that runs a Prefect task run; the tag is read from the running Ray task's
     name, so nothing leaks between tasks. Pickled by value."""
-    import functools
-
     import ray
-    from ray.experimental.internal_kv import _internal_kv_put
-    from ray.remote_function import RemoteFunction
 
-    if getattr(RemoteFunction._remote, "_tags_prefect_children", False):
-        return
-    submit = RemoteFunction._remote
+    # Ray and the package's compat module only: no Prefect is imported in the worker.
+    from prefect_ray_lifecycle.compat import ray_internals
+
     flagged: set[str] = set()  # flow runs whose KV flag this process has set
 
-    @functools.wraps(submit)
-    def _remote(self, *args: Any, **options: Any):
-        if not options.get("name"):
-            ids = prefect_ids_in_name(ray.get_runtime_context().get_task_name())
-            if ids is not None:
-                function = (
-                    getattr(self._function_descriptor, "function_name", "")
-                    or self._function_name.rsplit(".", 1)[-1]
-                )
-                options["name"] = ray_task_name(
-                    function.rsplit(".", 1)[-1], ids[0], ids[1], started_from=True
-                )
-                if ids[0] not in flagged:  # the driver then waits for their logs
-                    _internal_kv_put(child_tasks_key(ids[0]), b"1", namespace=PROJECT_NAMESPACE)
-                    flagged.add(ids[0])
-        return submit(self, *args, **options)
+    def tagging(submit: Any) -> Any:
+        def remote(self: Any, *args: Any, **options: Any) -> Any:
+            if not options.get("name"):
+                ids = prefect_ids_in_name(ray.get_runtime_context().get_task_name())
+                if ids is not None:
+                    function = ray_internals.remote_function_name(self)
+                    options["name"] = ray_task_name(function, ids[0], ids[1], started_from=True)
+                    if ids[0] not in flagged:  # the driver then waits for their logs
+                        key = child_tasks_key(ids[0])
+                        ray_internals.internal_kv_put(key, b"1", namespace=PROJECT_NAMESPACE)
+                        flagged.add(ids[0])
+            return submit(self, *args, **options)
 
-    _remote._tags_prefect_children = True
-    RemoteFunction._remote = _remote
+        return remote
+
+    ray_internals.wrap_remote_submit(tagging)
 
 
 def pickled_by_value(*functions: Any) -> Any:

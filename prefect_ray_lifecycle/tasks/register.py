@@ -8,8 +8,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import requests
-from mlflow.exceptions import MlflowException
 from prefect import get_run_logger, task
 from prefect.runtime import flow_run, task_run
 from prefect.utilities.urls import url_for
@@ -18,48 +16,8 @@ from pydantic import BaseModel, Field
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry
 from prefect_ray_lifecycle.control.promotion import EvalProtocol, Score, Verdict, decide_promotion
+from prefect_ray_lifecycle.tasks._base import mlflow_task
 from prefect_ray_lifecycle.workloads.constants import PROJECT_ROOT
-
-MLFLOW_RETRIES = 4
-MLFLOW_RETRY_DELAYS = [2, 4, 8, 16]
-_CONNECTION_MARKERS = (
-    "Max retries exceeded",
-    "Connection refused",
-    "Connection aborted",
-    "Failed to establish a new connection",
-    "Read timed out",
-)
-
-
-def is_connection_error(error: BaseException) -> bool:
-    """True when MLflow could not be reached (worth a retry); False for a user error."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, (requests.ConnectionError, requests.Timeout, ConnectionError)):
-            return True
-        if isinstance(current, MlflowException) and any(
-            marker in str(current) for marker in _CONNECTION_MARKERS
-        ):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
-
-
-def _retry_on_connection_error(task, task_run, state) -> bool:
-    try:
-        state.result()
-    except Exception as error:  # the task's own exception, re-raised by result()
-        return is_connection_error(error)
-    return False
-
-
-mlflow_task = task(
-    retries=MLFLOW_RETRIES,
-    retry_delay_seconds=MLFLOW_RETRY_DELAYS,
-    retry_condition_fn=_retry_on_connection_error,
-)
 
 
 class EvaluationSummary(BaseModel):

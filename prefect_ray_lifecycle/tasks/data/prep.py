@@ -4,9 +4,7 @@ publish the staged dataset as a Prefect asset."""
 
 from __future__ import annotations
 
-import contextlib
 import posixpath
-from collections.abc import Iterator
 from typing import Any
 
 from prefect import task
@@ -16,7 +14,6 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext
 
 from prefect_ray_lifecycle.blocks import RayCluster
-from prefect_ray_lifecycle.control.ray_shutdown import shutdown_in_background, wait_for_shutdown
 from prefect_ray_lifecycle.ray_runner.lineage import job_config, link_flow_run
 from prefect_ray_lifecycle.tasks.data.config import DatasetPlan, DatasetResult, Verdict
 from prefect_ray_lifecycle.workloads.data.checks import QUARANTINE_DIR
@@ -141,40 +138,18 @@ def prepare_dataset(plan: DatasetPlan, staging: str, cluster: RayCluster) -> Sta
     CSV lines), then the one Ray Data pipeline: read, validate, transform, split, write into
     `staging`. This process drives them, as a Ray Data script would: no Prefect task on a
     fresh Ray worker (seconds of imports) stands between the flow and the pipeline."""
-    with ray_job(cluster):
+    context = FlowRunContext.get()
+    flow_run_id = context.flow_run.id if context and context.flow_run else None
+    # The staged dataset is written at the end: publishing it needs no Ray, so it does not
+    # wait the second or more a local Ray takes to stop.
+    with cluster.connect(
+        job_config=job_config(flow_run_id) if flow_run_id else None, stop_in_background=True
+    ) as ray_context:
+        if flow_run_id:  # the run's id in the job's metadata, the job on the run
+            link_flow_run(flow_run_id, cluster, ray_context)
         return run_pipeline(
             filesystem_and_path(plan.source)[0], plan.paths, plan.spec(), staging, _output_fs(plan)
         )
-
-
-@contextlib.contextmanager
-def ray_job(cluster: RayCluster) -> Iterator[None]:
-    """This process on `cluster` as a Ray job tied to the flow run both ways (the run's id in
-    the job's metadata, the job on the run), as the task runner ties its jobs; left at the
-    end. A connection the process already has (a parent flow's) is used as it is."""
-    import ray  # only on a cache miss: a cache hit never loads Ray
-
-    wait_for_shutdown()  # a connection still stopping in the background is not one
-    context = FlowRunContext.get()
-    flow_run_id = context.flow_run.id if context and context.flow_run else None
-    if ray.is_initialized():
-        if flow_run_id:
-            link_flow_run(flow_run_id, cluster)
-        yield
-        return
-    cluster.export_auth_token()
-    kwargs = cluster.init_kwargs()
-    if flow_run_id and not cluster.address.startswith("ray://"):  # Ray Client takes none
-        kwargs["job_config"] = job_config(flow_run_id)
-    ray_context = ray.init(cluster.ray_init_address, **kwargs)
-    try:
-        if flow_run_id:
-            link_flow_run(flow_run_id, cluster, ray_context)
-        yield
-    finally:
-        # The staged dataset is written: publishing it needs no Ray, so it does not wait the
-        # second or more a local Ray takes to stop.
-        shutdown_in_background()
 
 
 def dataset_result(plan: DatasetPlan, staged: StagedCounts) -> DatasetResult:

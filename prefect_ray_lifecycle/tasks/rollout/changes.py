@@ -5,25 +5,56 @@ version after the bake, a rollback, and the withdrawal of a candidate."""
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
 
 from prefect_ray_lifecycle.control import serve_control
+from prefect_ray_lifecycle.tasks.rollout import StageResult, rollout_stage
 from prefect_ray_lifecycle.tasks.rollout.apps import RouteContext
 from prefect_ray_lifecycle.workloads.constants import POLICY_DEPLOYMENT
 from prefect_ray_lifecycle.workloads.serve.router_config import RouterConfig, Target
 
-__all__ = ["inject", "retire", "rollback", "rollout_stage", "swap", "withdraw"]
+__all__ = [
+    "RetireResult",
+    "RollbackResult",
+    "SwapResult",
+    "WithdrawResult",
+    "inject",
+    "retire",
+    "rollback",
+    "swap",
+    "withdraw",
+]
 
-# Rollout stages talk to a live cluster: never served from a cache.
-rollout_stage = task(cache_policy=NO_CACHE)
+
+@dataclass(frozen=True, kw_only=True)
+class SwapResult(StageResult):
+    generation: int  # the router config's generation that made the swap
+    seconds: float
+    at: float  # epoch seconds: where the bake's figures start
+    inline: bool  # whether the router hosts the new version in its replicas
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetireResult(StageResult):
+    inline: bool
+    deleted: str | None  # the previous version's app
+
+
+@dataclass(frozen=True, kw_only=True)
+class RollbackResult(StageResult):
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class WithdrawResult(StageResult):
+    deleted: str  # the candidate's app
 
 
 @rollout_stage
-def swap(ctx: RouteContext, candidate: Target, previous: Target | None) -> dict[str, Any]:
+def swap(ctx: RouteContext, candidate: Target, previous: Target | None) -> SwapResult:
     """Gate 4: the router sends all traffic to the candidate. After a canary it is reached
     through its own app while it bakes, with the previous version kept as its fallback; a first
     rollout (no previous version) is hosted in the router's replicas at once."""
@@ -35,12 +66,12 @@ def swap(ctx: RouteContext, candidate: Target, previous: Target | None) -> dict[
             live=candidate, previous=previous, rollout=ctx.record("bake", candidate.version)
         )
         written, hosted = ctx.write(config), False
-    return {
-        "generation": written.generation,
-        "seconds": round(time.time() - started, 2),
-        "at": started,
-        "inline": hosted,
-    }
+    return SwapResult(
+        generation=written.generation,
+        seconds=round(time.time() - started, 2),
+        at=started,
+        inline=hosted,
+    )
 
 
 def _host(ctx: RouteContext, config: RouterConfig, live: Target) -> tuple[RouterConfig, bool]:
@@ -67,7 +98,7 @@ def inject(app: str, faults: dict[str, Any]) -> None:
 
 
 @rollout_stage
-def retire(ctx: RouteContext, live: Target, previous_app: str | None) -> dict[str, Any]:
+def retire(ctx: RouteContext, live: Target, previous_app: str | None) -> RetireResult:
     """After the bake: the router hosts the live version in process (no extra hop), the
     route is no longer held by a rollout, then the previous version's app is deleted."""
     if ctx.hosts(live):
@@ -77,21 +108,21 @@ def retire(ctx: RouteContext, live: Target, previous_app: str | None) -> dict[st
         inline_ok = False
     if previous_app and previous_app != live.app:
         serve_control.apply(deletes={previous_app})
-    return {"inline": inline_ok, "deleted": previous_app}
+    return RetireResult(inline=inline_ok, deleted=previous_app)
 
 
 @rollout_stage
-def rollback(ctx: RouteContext, previous: Target, candidate_app: str) -> dict[str, Any]:
+def rollback(ctx: RouteContext, previous: Target, candidate_app: str) -> RollbackResult:
     """Route everything back to the previous version, then delete the candidate's app."""
     started = time.time()
     ctx.write(ctx.config(live=previous, inline_live=ctx.hosts(previous)))
     seconds = time.time() - started
     serve_control.apply(deletes={candidate_app})
-    return {"seconds": round(seconds, 2)}
+    return RollbackResult(seconds=round(seconds, 2))
 
 
 @rollout_stage
-def withdraw(ctx: RouteContext, live: Target | None, candidate_app: str) -> dict[str, Any]:
+def withdraw(ctx: RouteContext, live: Target | None, candidate_app: str) -> WithdrawResult:
     """After a failed gate (or a rollout that died in its canary): the router serves only
     the live version again (untouched when it never saw the candidate), then the candidate's
     app is deleted."""
@@ -105,4 +136,4 @@ def withdraw(ctx: RouteContext, live: Target | None, candidate_app: str) -> dict
         ctx.write(ctx.config(live=live, inline_live=keep_inline))
     if candidate_app != (live.app if live else None):
         serve_control.apply(deletes={candidate_app})
-    return {"deleted": candidate_app}
+    return WithdrawResult(deleted=candidate_app)

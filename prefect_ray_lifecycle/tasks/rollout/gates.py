@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -21,20 +21,66 @@ from prefect_ray_lifecycle.control.canary import (
     judge,
     judge_llm,
 )
+from prefect_ray_lifecycle.tasks.rollout import StageResult, rollout_stage
 from prefect_ray_lifecycle.tasks.rollout.apps import RouteContext
-from prefect_ray_lifecycle.tasks.rollout.changes import rollout_stage
 from prefect_ray_lifecycle.tasks.rollout.config import Gates
 from prefect_ray_lifecycle.workloads.constants import ROUTER_DEPLOYMENT
 from prefect_ray_lifecycle.workloads.serve.route_state import route_figures
 from prefect_ray_lifecycle.workloads.serve.router_config import Target
 
-__all__ = ["bake", "canary_step", "deploy_candidate", "smoke"]
+__all__ = [
+    "BakeResult",
+    "CanaryResult",
+    "HealthResult",
+    "SmokeResult",
+    "bake",
+    "canary_step",
+    "deploy_candidate",
+    "smoke",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthResult(StageResult):
+    seconds: float
+    replicas: int
+    checks: int
+    timeline: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SmokeResult(StageResult):
+    observations: int | None = None  # a policy: golden observations answered
+    max_ms: float | None = None
+    p50_ms: float | None = None
+    status: int | None = None  # an LLM version: the completion's status and tokens
+    completion_tokens: int | None = None
+    latency_ms: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CanaryResult(StageResult):
+    weight: float
+    held_s: float
+    candidate: dict[str, Any] | None  # the router's figures of each version in the step
+    live: dict[str, Any] | None
+    candidate_llm: dict[str, Any] | None = None  # an LLM version's own tokens/s and TTFT
+    live_llm: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class BakeResult(StageResult):
+    seconds: float
+    totals: dict[str, Any] | None  # the new version's figures over the whole bake
+
+    def figures(self) -> dict[str, Any]:
+        return dict(self.totals or {})
 
 
 @rollout_stage
 def deploy_candidate(
     config: dict[str, Any], target: Target, health_period_s: float, gates: Gates
-) -> dict[str, Any]:
+) -> HealthResult:
     """Gate 1: deploy the version's app; RUNNING, every replica healthy, and staying so."""
     app = target.app
     serve_control.apply({app: config})
@@ -52,11 +98,11 @@ def deploy_candidate(
     if not report.healthy:
         raise GateFailed("health", report.reason, figures)
     get_run_logger().info("health gate passed for %s: %s", app, report.reason)
-    return {**figures, "reason": report.reason}
+    return HealthResult(**figures, reason=report.reason)
 
 
 @rollout_stage
-def smoke(target: Target, gates: Gates) -> dict[str, Any]:
+def smoke(target: Target, gates: Gates) -> SmokeResult:
     """Gate 2: golden observations through the candidate's handle: valid actions, fast (an
     LLM version: a real completion, not empty, inside the latency bound)."""
     if target.kind == "llm":
@@ -89,10 +135,12 @@ def smoke(target: Target, gates: Gates) -> dict[str, Any]:
             f"slowest answer {slowest:.0f} ms is above {gates.smoke_max_latency_ms:g} ms",
             figures,
         )
-    return {**figures, "reason": f"{len(observations)} valid actions, slowest {slowest:.1f} ms"}
+    return SmokeResult(
+        **figures, reason=f"{len(observations)} valid actions, slowest {slowest:.1f} ms"
+    )
 
 
-def _smoke_llm(target: Target, gates: Gates) -> dict[str, Any]:
+def _smoke_llm(target: Target, gates: Gates) -> SmokeResult:
     handle = serve_control.handle(target.app, target.deployment)
     body = {"prompt": gates.smoke_prompt, "max_tokens": gates.smoke_max_tokens, "temperature": 0}
     started = time.perf_counter()
@@ -132,7 +180,7 @@ def _smoke_llm(target: Target, gates: Gates) -> dict[str, Any]:
             f"completion took {elapsed:.0f} ms, above {gates.smoke_max_latency_ms:g} ms",
             figures,
         )
-    return {**figures, "reason": f"{tokens} tokens ({text[:40]!r}) in {elapsed:.0f} ms"}
+    return SmokeResult(**figures, reason=f"{tokens} tokens ({text[:40]!r}) in {elapsed:.0f} ms")
 
 
 def _llm_stats(route: str, target: Target, reset: bool = False) -> dict[str, Any] | None:
@@ -167,7 +215,7 @@ def canary_step(
     live: Target,
     candidate: Target,
     inline_live: bool,
-) -> dict[str, Any]:
+) -> CanaryResult:
     """Gate 3 (one step): send `weight` of the traffic to the candidate, hold, judge. Live
     traffic stays where it was (in the router's replicas when `inline_live`). The share is
     served only while this rollout holds the route's lease."""
@@ -231,16 +279,12 @@ def canary_step(
         if slow:
             raise GateFailed("canary", f"at {weight:.0%}: {slow}", figures)
     get_run_logger().info("canary %.0f%% passed: %s", weight * 100, verdict.reason)
-    return {
-        **figures,
-        "reason": verdict.reason
-        if verdict.ok
-        else f"inconclusive, passed on time: {verdict.reason}",
-    }
+    reason = verdict.reason if verdict.ok else f"inconclusive, passed on time: {verdict.reason}"
+    return CanaryResult(**figures, reason=reason)
 
 
 @rollout_stage
-def bake(ctx: RouteContext, gates: Gates, live: Target, since: float) -> dict[str, Any]:
+def bake(ctx: RouteContext, gates: Gates, live: Target, since: float) -> BakeResult:
     """Gate 5: watch the new live version for the bake period over a sliding window."""
     thresholds = replace(gates.thresholds, min_requests=max(gates.canary_min_requests, 10))
     started = time.time()
@@ -256,9 +300,8 @@ def bake(ctx: RouteContext, gates: Gates, live: Target, since: float) -> dict[st
                 f"{verdict.reason} {now - since:.1f} s after the swap",
                 {"window": stats.get(live.version), "detected_at": now},
             )
-    total = route_figures(ctx.route, since).get(live.version)
-    return {
-        "seconds": round(time.time() - started, 1),
-        "figures": total,
-        "reason": f"stable for {gates.bake_s:g} s",
-    }
+    return BakeResult(
+        seconds=round(time.time() - started, 1),
+        totals=route_figures(ctx.route, since).get(live.version),
+        reason=f"stable for {gates.bake_s:g} s",
+    )

@@ -14,9 +14,9 @@ from prefect.runtime import flow_run
 
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry
+from prefect_ray_lifecycle.tasks._base import mlflow_task
 from prefect_ray_lifecycle.tasks.charts import artifact_key
 from prefect_ray_lifecycle.tasks.charts import publish as publish_chart
-from prefect_ray_lifecycle.tasks.register import mlflow_task
 from prefect_ray_lifecycle.tasks.rollout.chart import draw_rollout
 from prefect_ray_lifecycle.tasks.rollout.config import Gates
 from prefect_ray_lifecycle.workloads.serve.route_state import route_series

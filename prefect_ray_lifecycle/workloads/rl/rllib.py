@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefect_ray_lifecycle.compat import ray_internals
+
 SEARCH_SPACE_KINDS = ("uniform", "loguniform", "choice", "randint", "grid")
 # Where RLlib's new API stack reports a trial's mean episode return and its env steps.
 RETURN_METRIC = "env_runners/episode_return_mean"
@@ -103,13 +105,12 @@ def register_environment(environment: str) -> str:
     a `module:function` creator is only imported where envs are built (see creator_problem)."""
     import gymnasium as gym
     from ray.tune import register_env
-    from ray.tune.registry import _global_registry
 
     if is_creator(environment):
         # Ray 2.60 caches the first job id as the registry's key prefix for the life of the
         # process; after a second ray.init (a new job) it would register where that job's
         # workers never look ("Environment ... doesn't exist").
-        _global_registry._prefix = None
+        ray_internals.reset_tune_registry_prefix()
         register_env(environment, EnvCreator(environment))
         return environment
     try:

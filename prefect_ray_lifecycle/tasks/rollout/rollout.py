@@ -1,0 +1,326 @@
+"""One rollout of a model version on a route, as an object: what every stage needs (the route
+context, the gates, the MLflow server, the model, the version, the route's URL, the candidate
+and the live version) and its endings. Every ending leaves through one door (`_close`): the
+version's verdict and the `live` alias in MLflow, a Prefect event, then the timeline and the
+chart; `finish` returns the result, `fail` raises RolloutFailed with the decision."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, NoReturn
+
+from prefect import get_run_logger
+from prefect.runtime import flow_run
+from pydantic import BaseModel, Field
+
+from prefect_ray_lifecycle.blocks import MLflowServer
+from prefect_ray_lifecycle.control import registry, serve_control
+from prefect_ray_lifecycle.control.canary import GateFailed
+from prefect_ray_lifecycle.tasks.rollout import StageResult
+from prefect_ray_lifecycle.tasks.rollout.apps import RouteContext, version_app
+from prefect_ray_lifecycle.tasks.rollout.changes import SwapResult, retire, rollback
+from prefect_ray_lifecycle.tasks.rollout.config import Gates, LLMServing, Serving
+from prefect_ray_lifecycle.tasks.rollout.gates import bake
+from prefect_ray_lifecycle.tasks.rollout.record import Timeline, emit, record
+from prefect_ray_lifecycle.workloads.serve.router_config import Target, TargetKind
+
+__all__ = [
+    "Outcome",
+    "Rollout",
+    "RolloutFailed",
+    "RolloutResult",
+    "best_effort",
+    "resolve_version",
+    "route_holder",
+]
+
+Outcome = Literal["promoted", "first_rollout", "already_live", "withdrawn", "rebaked"]
+
+
+class RolloutFailed(RuntimeError):
+    """The candidate was rejected or rolled back; the live version kept serving."""
+
+
+class RolloutResult(BaseModel):
+    model_name: str
+    version: str
+    route: str
+    outcome: str = Field(
+        description="promoted, first_rollout, already_live, or for a recovered rollout: "
+        "withdrawn or rebaked."
+    )
+    reason: str
+    url: str = Field(description="The route's URL.")
+    previous_version: str | None = None
+    timeline: list[dict[str, Any]] = Field(default_factory=list)
+    chart_url: str | None = Field(
+        None, description="The rollout's chart (a PNG on the version's MLflow run)."
+    )
+
+
+def route_holder() -> str:
+    """Who holds a route: this flow run (a fresh id outside one)."""
+    return str(flow_run.id or uuid.uuid4())
+
+
+def resolve_version(server: MLflowServer, model_name: str, version: str | None, alias: str) -> str:
+    """The version to roll out: `version`, else the one `alias` names now; READY or an error."""
+    with server.session() as client:
+        if version is not None:
+            found = client.get_model_version(model_name, str(version))
+        else:
+            found = registry.resolve_alias(client, model_name, alias)
+            if found is None:
+                raise ValueError(
+                    f"{model_name} has no version with alias {alias!r}; pass a "
+                    f"version or set the alias"
+                )
+    if found.status != "READY":
+        raise ValueError(f"{model_name} v{found.version} is {found.status}, not READY")
+    return str(found.version)
+
+
+@dataclass
+class Rollout:
+    """A rollout in progress on a route this flow run holds (`ctx.claim`)."""
+
+    ctx: RouteContext
+    gates: Gates
+    server: MLflowServer
+    model_name: str
+    version: str
+    url: str
+    timeline: Timeline
+    live: Target | None  # what the route served when the rollout started
+    previous_version: str | None  # what the result calls the version it replaced
+    candidate: Target | None = None
+    app_config: dict[str, Any] | None = None
+    health_period_s: float = 0.0
+    inline_live: bool = False  # the router hosts the live version in its replicas
+
+    @classmethod
+    def begin(
+        cls,
+        ctx: RouteContext,
+        gates: Gates,
+        server: MLflowServer,
+        model_name: str,
+        version: str,
+        url: str,
+        *,
+        kind: TargetKind,
+        serving: Serving,
+        llm: LLMServing,
+        faults: dict[str, Any],
+    ) -> Rollout:
+        """A rollout of `version` onto the route as its router serves it now."""
+        app_config, candidate, health_period_s = version_app(
+            kind, server, model_name, version, serving, llm, faults, ctx.runtime_env
+        )
+        router = serve_control.current_router(ctx.route)
+        live = router.live if router else None
+        rollout = cls(
+            ctx=ctx,
+            gates=gates,
+            server=server,
+            model_name=model_name,
+            version=version,
+            url=url,
+            timeline=cls.new_timeline(ctx, gates, server, model_name, version, "Rollout"),
+            live=live,
+            previous_version=live.version if live else None,
+            candidate=candidate,
+            app_config=app_config,
+            health_period_s=health_period_s,
+            inline_live=bool(router and router.inline_live and live and ctx.hosts(live)),
+        )
+        rollout.timeline.live = rollout.previous_version
+        return rollout
+
+    @staticmethod
+    def new_timeline(
+        ctx: RouteContext,
+        gates: Gates,
+        server: MLflowServer,
+        model_name: str,
+        version: str,
+        kind: str,
+    ) -> Timeline:
+        return Timeline(
+            f"{kind} of {model_name} v{version} on /{ctx.route}",
+            model_name=model_name,
+            version=version,
+            route=ctx.route,
+            server=server,
+            gates=gates,
+        )
+
+    @property
+    def route(self) -> str:
+        return self.ctx.route
+
+    @property
+    def already_live(self) -> bool:
+        return (
+            self.live is not None
+            and self.candidate is not None
+            and self.live.version == self.version
+            and self.live.app == self.candidate.app
+        )
+
+    def add(
+        self,
+        stage: str,
+        outcome: str,
+        result: StageResult | str,
+        figures: dict[str, Any] | None = None,
+    ) -> None:
+        """A stage on the timeline: a stage's result (its reason and figures), or a detail."""
+        if isinstance(result, StageResult):
+            self.timeline.add(stage, outcome, result.reason, result.figures())
+        else:
+            self.timeline.add(stage, outcome, result, figures)
+
+    def finish(
+        self,
+        outcome: Outcome,
+        reason: str,
+        decision: str,
+        *,
+        verdict: dict[str, Any] | None = None,
+        move_live_to: str | None = None,
+        live_reason: str = "",
+        event: tuple[str, dict[str, Any]] | None = None,
+        chart: bool = True,
+    ) -> RolloutResult:
+        """End the rollout with `outcome`: record, announce, publish; its result."""
+        self._close(decision, verdict, move_live_to, live_reason, event, chart)
+        return RolloutResult(
+            model_name=self.model_name,
+            version=self.version,
+            route=self.route,
+            outcome=outcome,
+            reason=reason,
+            url=self.url,
+            previous_version=self.previous_version,
+            timeline=self.timeline.entries,
+            chart_url=self.timeline.chart_url,
+        )
+
+    def fail(
+        self,
+        failure: GateFailed,
+        verdict: Literal["rejected", "rolled_back"],
+        serving: Target | None,
+    ) -> NoReturn:
+        """End the rollout on a failed gate (`serving` keeps the route): tagged with the reason,
+        announced, published; raises RolloutFailed with the decision."""
+        self.timeline.add(failure.stage, "failed", failure.reason, failure.figures)
+        decision = (
+            f"v{self.version} {'rolled back' if verdict == 'rolled_back' else 'rejected'} at "
+            f"{failure.stage}: {failure.reason}; v{serving.version if serving else '?'} serves "
+            f"/{self.route}"
+        )
+        self._close(
+            decision,
+            {"verdict": verdict, "stage": failure.stage, "reason": failure.reason},
+            serving.version if verdict == "rolled_back" and serving else None,
+            f"rollback: v{self.version} {failure.reason}",
+            (
+                verdict.replace("_", "-"),
+                {
+                    "stage": failure.stage,
+                    "reason": failure.reason,
+                    "live": serving and serving.version,
+                },
+            ),
+            True,
+        )
+        raise RolloutFailed(decision)
+
+    def _close(
+        self,
+        decision: str,
+        verdict: dict[str, Any] | None,
+        move_live_to: str | None,
+        live_reason: str,
+        event: tuple[str, dict[str, Any]] | None,
+        chart: bool,
+    ) -> None:
+        """The one way out: the verdict and `live` in MLflow, the event, the timeline."""
+        if verdict is not None or move_live_to is not None:
+            record(
+                self.server,
+                self.model_name,
+                self.version,
+                {**(verdict or {}), "route": self.route},
+                move_live_to=move_live_to,
+                reason=live_reason,
+            )
+        if event is not None:
+            emit(event[0], self.model_name, self.version, self.route, event[1])
+        self.timeline.publish(decision, chart=chart)
+
+    def swapped(self, result: SwapResult) -> None:
+        """`live` follows the router at the swap, before the bake decides."""
+        record(
+            self.server,
+            self.model_name,
+            self.version,
+            {"verdict": "swapped", "route": self.route, "app": self.candidate.app},
+            move_live_to=self.version,
+            reason="passed health, smoke and canary gates",
+        )
+        self.add(
+            "swap",
+            "done",
+            f"/{self.route} -> v{self.version}; alias live moved",
+            {"seconds": result.seconds},
+        )
+
+    def bake_then_settle(
+        self, new: Target, previous: Target, since: float, outcome: Outcome
+    ) -> RolloutResult:
+        """Bake the swapped-in version, then retire the previous one, or roll back to it."""
+        try:
+            baked = bake(self.ctx, self.gates, new, since)
+        except GateFailed as failure:
+            undone = rollback(self.ctx, previous, new.app)
+            detected = failure.figures.get("detected_at")
+            seconds = round(time.time() - detected, 2) if detected else None
+            self.add(
+                "rollback",
+                "done",
+                f"/{self.route} -> v{previous.version}",
+                {"seconds_to_rollback": seconds, **undone.figures()},
+            )
+            self.fail(failure, "rolled_back", previous)
+        except BaseException:
+            best_effort(rollback, self.ctx, previous, new.app)
+            raise
+        self.add("bake", "passed", baked)
+        retired = retire(self.ctx, new, previous.app)
+        hosted = "in process" if retired.inline else "through its app"
+        self.add(
+            "retire",
+            "done",
+            f"v{previous.version}'s app deleted; router hosts v{new.version} {hosted}",
+            retired.figures(),
+        )
+        return self.finish(
+            outcome,
+            baked.reason,
+            f"v{new.version} replaced v{previous.version} on /{self.route}",
+            verdict={"verdict": "promoted", "app": new.app, "reason": baked.reason},
+            event=("promoted", {"previous": previous.version, "url": self.url}),
+        )
+
+
+def best_effort(stage: Any, *args: Any) -> None:
+    """Clean up after an unexpected error without hiding it."""
+    try:
+        stage(*args)
+    except Exception as error:  # the original error matters more
+        get_run_logger().error("cleanup %s failed: %r", stage.name, error)

@@ -1,0 +1,226 @@
+"""Private Ray and Prefect names live in prefect_ray_lifecycle/compat only, and each one still
+exists in the installed versions.
+
+The walk reads the code's AST: imports of a private module or name of ray, prefect or
+prefect_ray; attribute chains rooted at such an import; private attributes the project itself
+never defines (they can only be upstream's, e.g. a Serve client's `_controller`); and, in a
+class built on an upstream class, `self._x` where `_x` is that upstream class's own."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+
+from prefect_ray_lifecycle.compat import Symbol, prefect_internals, ray_internals
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "prefect_ray_lifecycle"
+COMPAT = PACKAGE / "compat"
+WALKED = [PACKAGE, ROOT / "deployments", ROOT / "benchmarks"]
+UPSTREAM = ("ray", "prefect", "prefect_ray")
+
+
+def private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def upstream(module: str | None) -> bool:
+    return module is not None and module.split(".")[0] in UPSTREAM
+
+
+def sources() -> list[Path]:
+    return [
+        path
+        for folder in WALKED
+        for path in sorted(folder.rglob("*.py"))
+        if COMPAT not in path.parents and "__pycache__" not in path.parts
+    ]
+
+
+def own_private_names() -> set[str]:
+    """Every private name the project's own code defines (functions, classes, attributes
+    assigned on self or an object, module globals, parameters)."""
+    names: set[str] = set()
+    for path in [*sources(), *COMPAT.rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr":
+                if len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
+                    names.add(str(node.args[1].value))
+    return {name for name in names if private(name)}
+
+
+def upstream_bindings(tree: ast.AST) -> dict[str, str]:
+    """Local names bound to an upstream module or object: imports, lazy_import("ray"),
+    sys.modules.get("prefect...")."""
+    bound: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if upstream(alias.name):
+                    bound[alias.asname or alias.name.split(".")[0]] = alias.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and upstream(node.module):
+            for alias in node.names:
+                bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            call = node.value
+            name = ast.unparse(call.func)
+            argument = call.args[0] if call.args else None
+            if (
+                name in ("lazy_import", "sys.modules.get", "importlib.import_module")
+                and isinstance(argument, ast.Constant)
+                and upstream(str(argument.value))
+            ):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        bound[target.id] = str(argument.value)
+    return bound
+
+
+def chain_root(node: ast.AST) -> ast.AST:
+    while isinstance(node, ast.Attribute | ast.Call | ast.Subscript):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def findings(path: Path, own: set[str], root: Path = ROOT) -> list[str]:
+    tree = ast.parse(path.read_text())
+    bound = upstream_bindings(tree)
+    where = path.relative_to(root)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if upstream(alias.name) and any(map(private, alias.name.split("."))):
+                    found.append(f"{where}:{node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and upstream(node.module):
+            for alias in node.names:
+                if any(map(private, node.module.split("."))) or private(alias.name):
+                    found.append(f"{where}:{node.lineno}: from {node.module} import {alias.name}")
+        elif isinstance(node, ast.Attribute) and private(node.attr):
+            root = chain_root(node.value)
+            if isinstance(root, ast.Name) and root.id in ("self", "cls"):
+                continue
+            rooted = isinstance(root, ast.Name) and root.id in bound
+            if rooted or node.attr not in own:
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return sorted(found, key=lambda hit: int(hit.split(":")[1]))
+
+
+def inherited_findings(path: Path) -> list[str]:
+    """`self._x` in a class of ours whose upstream bases define `_x` themselves."""
+    relative = path.relative_to(ROOT).with_suffix("")
+    if relative.parts[0] != PACKAGE.name or path.name == "__init__.py":
+        return []
+    module = importlib.import_module(".".join(relative.parts))
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ClassDef) or not hasattr(module, node.name):
+            continue
+        cls = getattr(module, node.name)
+        cls = getattr(cls, "func_or_class", cls)  # a Serve deployment's own class
+        if not inspect.isclass(cls):
+            continue
+        upstream_names: set[str] = set()
+        for base in inspect.getmro(cls)[1:]:
+            if base.__module__.split(".")[0] not in UPSTREAM:
+                continue
+            upstream_names |= set(vars(base))
+            try:
+                tree = ast.parse(inspect.getsource(base).strip() + "\n")
+            except (OSError, TypeError, SyntaxError, IndentationError):
+                continue
+            upstream_names |= {
+                a.attr
+                for a in ast.walk(tree)
+                if isinstance(a, ast.Attribute) and ast.unparse(a.value) == "self"
+            }
+        for inner in ast.walk(node):
+            if (
+                isinstance(inner, ast.Attribute)
+                and isinstance(inner.value, ast.Name)
+                and inner.value.id == "self"
+                and private(inner.attr)
+                and inner.attr in upstream_names
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{inner.lineno}: self.{inner.attr}")
+    return found
+
+
+def test_private_ray_and_prefect_names_appear_only_in_the_compat_modules():
+    own = own_private_names()
+    found = [hit for path in sources() for hit in findings(path, own)]
+    found += [hit for path in sources() for hit in inherited_findings(path)]
+    assert not found, "private upstream names outside compat/:\n" + "\n".join(found)
+
+
+def test_the_walk_finds_what_it_is_meant_to_find(tmp_path):
+    """The checks above can fail: each kind of private use is caught in a sample."""
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import ray\n"
+        "from ray._private import worker\n"
+        "from ray.serve.context import _connect\n"
+        "from prefect.utilities.importtools import lazy_import\n"
+        "lazy = lazy_import('ray')\n"
+        "ray._private.worker.global_worker\n"
+        "lazy._private\n"
+        "client = _connect()\n"
+        "client._controller\n"
+        "client._mine\n"
+    )
+    hits = findings(sample, own={"_mine"}, root=tmp_path)
+    assert [hit.split(":")[1] for hit in hits] == ["2", "3", "6", "7", "9"], hits
+
+
+def _resolve(symbol: Symbol) -> None:
+    obj = importlib.import_module(symbol.module)
+    parts = symbol.path.split(".")
+    last = parts.pop() if symbol.instance else None
+    for part in parts:
+        obj = getattr(obj, part)
+    if last is not None:
+        source = "".join(inspect.getsource(cls) for cls in inspect.getmro(obj) if cls is not object)
+        if f"self.{last}" not in source:
+            raise AttributeError(f"{obj.__name__} sets no self.{last}")
+
+
+@pytest.mark.parametrize(
+    "symbol",
+    [*ray_internals.SYMBOLS, *prefect_internals.SYMBOLS],
+    ids=lambda s: f"{s.module}:{s.path}",
+)
+def test_every_private_name_the_compat_modules_rely_on_still_exists(symbol):
+    try:
+        _resolve(symbol)
+    except (ImportError, AttributeError, OSError, TypeError) as error:
+        pytest.fail(
+            f"{symbol.module}:{symbol.path} is gone in the installed version ({error!r}): "
+            f"update prefect_ray_lifecycle/compat for it"
+        )
+
+
+def test_the_compat_modules_name_every_private_name_they_use():
+    """Each private upstream name a compat module uses is listed in its SYMBOLS, so the
+    test above checks it."""
+    for module, symbols in ((ray_internals, ray_internals.SYMBOLS),):
+        listed = {part for s in symbols for part in (*s.module.split("."), *s.path.split("."))}
+        tree = ast.parse(Path(module.__file__).read_text())
+        used = {
+            node.attr
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and private(node.attr)
+        }
+        used -= {"_prl_wraps_submit"}
+        assert used <= listed, sorted(used - listed)
