@@ -13,7 +13,7 @@ Where each line runs tells you its room:
 """
 
 # The package can arrive in parts: a Ray worker gets what runs inside Ray and what the flow's
-# tasks import as two runtime_env py_modules, each a folder of this name (blocks.shipping).
+# tasks import as two runtime_env py_modules, each a folder of this name (control.shipping).
 __path__ = __import__("pkgutil").extend_path(__path__, __name__)
 
 __version__ = "0.1.0"

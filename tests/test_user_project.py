@@ -42,7 +42,7 @@ PROJECT_FILES = {
 
         PROJECT = Path(__file__).resolve().parents[1]
         # The deployment environment's cluster, with this project shipped to its workers.
-        CLUSTER = RayCluster.load("lifecycle").model_copy(
+        CLUSTER = RayCluster.load("lifecycle", _sync=True).model_copy(
             update={"runtime_env": {"working_dir": str(PROJECT)}}
         )
 

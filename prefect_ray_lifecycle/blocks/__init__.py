@@ -1,6 +1,6 @@
 """Prefect Blocks: connections and secrets only.
 
-Register them with `prefect block register -m blocks`.
+Register them with `prefect block register -m prefect_ray_lifecycle.blocks`.
 """
 
 from prefect_ray_lifecycle.blocks.mlflow_server import MLflowServer

@@ -1,6 +1,6 @@
 """Building and deploying the LLM app: `serve.run(build_llm_app({...}), name=...)`, or Serve's
-declarative config (`import_path: workloads.llm:build_llm_app`, `args: {...}`), whose entry
-`llm_app_config` writes. Only Ray Serve and pydantic are needed here, so a flow process builds
+declarative config (`import_path`: IMPORT_PATH, `args: {...}`), whose entry `llm_app_config`
+writes. Only Ray Serve and pydantic are needed here, so a flow process builds
 and deploys the app while its replicas run vLLM in the LLM venv."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _spec(args: dict | LLMAppArgs) -> LLMAppArgs:
 
 def build_llm_app(args: dict | LLMAppArgs) -> serve.Application:
     """Serve application builder: `serve.run(build_llm_app({...}))`, or Serve's declarative
-    config with `import_path: workloads.llm:build_llm_app` and these `args`."""
+    config with `import_path` IMPORT_PATH and these `args`."""
     spec = _spec(args)
     actor_options = {
         **spec.ray_actor_options,

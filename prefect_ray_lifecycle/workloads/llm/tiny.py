@@ -4,7 +4,7 @@ path: random weights, a byte-level BPE trained on generated text, a chat templat
 Building needs transformers and tokenizers, which live in the LLM venv (.venv-llm), not in the
 flow's venv: `build_tiny_llm` runs there itself when this interpreter lacks them.
 
-    python -m workloads.llm.tiny OUT_DIR
+    python -m prefect_ray_lifecycle.workloads.llm.tiny OUT_DIR
 """
 
 from __future__ import annotations
