@@ -116,6 +116,12 @@ class Service:
                 PREFECT_SERVER_ANALYTICS_ENABLED="false",
                 PREFECT_SERVER_API_HOST=HOST,
                 PREFECT_UI_API_URL=f"{self.url}/api",
+                # Concurrency slots are leases; kept in memory (Prefect's default) they die
+                # with the server while the slot counts in its database do not: every slot
+                # held at a restart would stay taken for good. On disk they expire instead.
+                PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=(
+                    "prefect.server.concurrency.lease_storage.filesystem"
+                ),
             )
             env.pop("PREFECT_API_URL", None)
             argv = [str(bin_dir / "prefect"), "server", "start", "--host", HOST]
@@ -153,8 +159,11 @@ class Service:
         argv += ["--port", str(self.port), "--dashboard-host", HOST]
         argv += ["--dashboard-port", str(self.dashboard_port), "--temp-dir", str(ray_tmp)]
         # Fixed defaults (10001, 52365) would collide with another head on this machine.
-        argv += ["--disable-usage-stats", "--ray-client-server-port", str(_free_port())]
-        argv += ["--dashboard-agent-listen-port", str(_free_port())]
+        # Each picked free now, and never one this head takes itself (the kernel may hand
+        # out the dashboard's port, which is not bound yet).
+        client_port, agent_port = _free_ports_besides({self.port, self.dashboard_port}, 2)
+        argv += ["--disable-usage-stats", "--ray-client-server-port", str(client_port)]
+        argv += ["--dashboard-agent-listen-port", str(agent_port)]
         if self.num_cpus:
             argv += ["--num-cpus", str(self.num_cpus)]
         return argv, env
@@ -193,6 +202,15 @@ def _free_port() -> int:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
         sock.bind((HOST, 0))
         return sock.getsockname()[1]
+
+
+def _free_ports_besides(taken: set[int], count: int) -> list[int]:
+    chosen: list[int] = []
+    while len(chosen) < count:
+        port = _free_port()
+        if port not in taken and port not in chosen:
+            chosen.append(port)
+    return chosen
 
 
 def free_ports(count: int, spacing: int = 0) -> list[int]:

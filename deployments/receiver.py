@@ -8,6 +8,9 @@ checked before anything is acted on; each accepted delivery becomes exactly one 
 the Prefect API took it. 503, which MLflow retries, while the MLflowWebhook block does not
 exist yet or Prefect cannot be reached. Every 4xx answers {"error": message}. GET /health
 answers 200. Needs PREFECT_API_URL; binds 127.0.0.1 unless told otherwise.
+
+It also watches the routes (deployments.route_watch): a heartbeat event per healthy route,
+so that a route that stops answering is noticed by a trigger in prefect.yaml.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from deployments import local
+from deployments import local, route_watch
 from deployments.setup import BLOCK_NAME
 from prefect_ray_lifecycle.blocks import MLflowWebhook
 from prefect_ray_lifecycle.workloads.http import JSON_TYPE, BadRequest, request_dict
@@ -289,15 +292,29 @@ def create_app(
     block_name: str = BLOCK_NAME,
     webhook: MLflowWebhook | None = None,
     secret_refresh_s: float = SECRET_REFRESH_S,
+    watch_routes_s: float | None = None,
 ) -> Starlette:
-    """The receiver app; `webhook` fixes the block instead of loading `block_name`."""
+    """The receiver app; `webhook` fixes the block instead of loading `block_name`. With
+    `watch_routes_s`, it also sends each healthy route's heartbeat that often
+    (deployments.route_watch), from the RayCluster block of the same name."""
     receiver = Receiver(WebhookSecret(block_name, webhook, secret_refresh_s))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with get_client() as client:  # one client (one connection pool) for every call
             receiver.client = client
-            yield
+            watching = (
+                asyncio.create_task(route_watch.watch(client, block_name, watch_routes_s))
+                if watch_routes_s
+                else None
+            )
+            try:
+                yield
+            finally:
+                if watching is not None:
+                    watching.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await watching
         receiver.client = None
 
     app = Starlette(
@@ -321,7 +338,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default=local.HOST, help=f"default {local.HOST}")
     parser.add_argument(
-        "--block", default=BLOCK_NAME, help=f"MLflowWebhook block name (default {BLOCK_NAME})"
+        "--block",
+        default=BLOCK_NAME,
+        help=f"MLflowWebhook and RayCluster block name (default {BLOCK_NAME})",
+    )
+    parser.add_argument(
+        "--watch-routes",
+        type=float,
+        default=route_watch.EVERY_S,
+        metavar="SECONDS",
+        help="send each healthy route's heartbeat this often (0: do not watch routes)",
     )
     args = parser.parse_args(argv)
     if not PREFECT_API_URL.value():
@@ -329,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         print("set PREFECT_API_URL to the Prefect API the events go to", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    uvicorn.run(create_app(args.block), host=args.host, port=args.port, log_level="info")
+    app = create_app(args.block, watch_routes_s=args.watch_routes or None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
 

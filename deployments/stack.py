@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deployments import local, setup
+from deployments import local, route_watch, setup
 from prefect_ray_lifecycle.workloads.constants import PROJECT_ROOT
 
 SCHEDULER_ENV = (("PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS", "2"),)
@@ -161,7 +161,44 @@ def deployed(
         try:
             yield env
         finally:
+            # Its routes are gone on purpose (or about to be): no trigger may restore them,
+            # and no run it queued may wait for the next worker on this Prefect server.
+            for route in routes:
+                route_watch.removed(route)
             setup.stop_worker(stack.state_dir)
+            drop_unfinished_runs()
+
+
+def drop_unfinished_runs() -> list[str]:
+    """Delete every flow run of this project's deployments that has not ended."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    open_types = [
+        StateType.SCHEDULED,
+        StateType.PENDING,
+        StateType.RUNNING,
+        StateType.PAUSED,
+        StateType.CANCELLING,
+    ]
+    names = sorted(setup.FLOW_NAMES)
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=open_types))
+            ),
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=names)),
+        )
+        for run in runs:
+            client.delete_flow_run(run.id)
+    return [str(run.id) for run in runs]
 
 
 def set_parameters(parameters: dict[str, dict[str, Any]]) -> None:

@@ -311,6 +311,29 @@ class RayCluster(Block):
             else:
                 ray.shutdown()
 
+    def wait_reachable(self, timeout_s: float, every_s: float = 2.0) -> float:
+        """Wait until the cluster's address takes connections (a head that is restarting);
+        the seconds waited. Raises ConnectionError naming the address after `timeout_s`.
+        Nothing to wait for with an embedded Ray or 'auto'."""
+        import socket
+
+        if self.address in ("", "auto"):
+            return 0.0
+        host, _, port = self.address.removeprefix("ray://").rpartition(":")
+        host = host.strip("[]")
+        started = time.monotonic()
+        while True:
+            try:
+                with socket.create_connection((host, int(port)), timeout=every_s):
+                    return time.monotonic() - started
+            except OSError as error:
+                if time.monotonic() - started >= timeout_s:
+                    raise ConnectionError(
+                        f"Ray at {self.address} took no connection for {timeout_s:.0f} s: "
+                        f"{error}"
+                    ) from None
+            time.sleep(every_s)
+
     def export_auth_token(self) -> None:
         """Ray reads its token from the environment only; this process then carries it."""
         if self.auth_token is None:

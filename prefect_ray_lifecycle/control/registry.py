@@ -160,6 +160,44 @@ def tag_verdict(
         client.set_model_version_tag(name, version, f"{TAG}.{stage}.{key}", text[:5000])
 
 
+# Where a model is served, kept with the registered model: a `champion` move (which carries
+# only the model's name) reaches reconcile, which reads its route and kind from here.
+ROUTE_TAG = f"{TAG}.serving.route"
+KIND_TAG = f"{TAG}.serving.kind"
+SETTINGS_TAG = f"{TAG}.serving.settings"  # JSON: the rollout's serving/llm settings
+
+
+def serving_tags(client: MlflowClient, name: str) -> dict[str, Any]:
+    """{"route", "kind", "settings"} a model was registered or last rolled out with (each
+    None when unknown, e.g. a model registered before these tags or outside the project)."""
+    try:
+        tags = client.get_registered_model(name).tags or {}
+    except MlflowException as error:
+        if _is_missing(error):
+            return {"route": None, "kind": None, "settings": None}
+        raise
+    settings = tags.get(SETTINGS_TAG)
+    return {
+        "route": tags.get(ROUTE_TAG),
+        "kind": tags.get(KIND_TAG),
+        "settings": json.loads(settings) if settings else None,
+    }
+
+
+def set_serving_tags(
+    client: MlflowClient,
+    name: str,
+    route: str,
+    kind: str,
+    settings: dict[str, Any] | None = None,
+) -> None:
+    """Record where `name` is served: its route, kind and (optionally) serving settings."""
+    client.set_registered_model_tag(name, ROUTE_TAG, route)
+    client.set_registered_model_tag(name, KIND_TAG, kind)
+    if settings is not None:
+        client.set_registered_model_tag(name, SETTINGS_TAG, json.dumps(settings, sort_keys=True))
+
+
 def check_checkpoint(checkpoint: str) -> None:
     """Fail with a clear message unless the checkpoint's RLModule loads."""
     from prefect_ray_lifecycle.workloads.rl.rllib import load_policy

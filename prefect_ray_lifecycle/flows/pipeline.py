@@ -9,10 +9,11 @@ result says why. Every parameter is in the Prefect run form.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.error
 import urllib.request
-from typing import Annotated
+from typing import Annotated, Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -36,6 +37,7 @@ from prefect_ray_lifecycle.tasks import lineage
 from prefect_ray_lifecycle.tasks._base import mlflow_task
 from prefect_ray_lifecycle.tasks.params import Text
 from prefect_ray_lifecycle.tasks.register import EvaluationSummary
+from prefect_ray_lifecycle.tasks.rollout.claim import holding_route
 from prefect_ray_lifecycle.tasks.rollout.config import Gates, Serving
 from prefect_ray_lifecycle.tasks.tune.config import (
     DEFAULT_STORAGE_ROOT,
@@ -109,6 +111,43 @@ def champion_version(mlflow_server: MLflowServer, model_name: str) -> str | None
     with mlflow_server.session() as client:
         found = registry.resolve_alias(client, model_name, registry.CHAMPION)
     return found.version if found else None
+
+
+def registration_request(
+    model_name: str,
+    swept: Any,
+    sweep: SweepConfig,
+    evaluation_episodes: int,
+    dataset: Any,
+) -> RegistrationRequest:
+    """What register-and-promote needs of the sweep: its best checkpoint, its trial and the
+    held-out evaluation, with the dataset it trained on."""
+    evaluation = swept.evaluation
+    return RegistrationRequest(
+        model_name=model_name,
+        checkpoint=swept.checkpoint_path,
+        experiment_path=swept.experiment_path,
+        trial_id=str(swept.metrics["trial_id"]),
+        environment=sweep.environment,
+        env_config=sweep.env_config,
+        evaluation_episodes=evaluation_episodes,
+        evaluation_seed=sweep.seed,
+        evaluation=EvaluationSummary(
+            mean_return=evaluation.mean_return,
+            std_return=evaluation.std_return,
+            episodes=evaluation.episodes,
+            seed=sweep.seed,
+        ),
+        best_config=swept.best_config,
+        metrics={
+            k: float(v)
+            for k, v in swept.metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        },
+        trials=[t.model_dump() for t in swept.trials],
+        dataset_fingerprint=dataset.fingerprint if dataset else None,
+        sweep_chart=swept.chart_path,
+    )
 
 
 def rollout_decision(
@@ -204,70 +243,51 @@ def train_and_ship(
         f"{evaluation.episodes} held-out episodes"
     )
 
-    registered = register_and_promote(
-        RegistrationRequest(
-            model_name=model_name,
-            checkpoint=swept.checkpoint_path,
-            experiment_path=swept.experiment_path,
-            trial_id=str(swept.metrics["trial_id"]),
-            environment=sweep.environment,
-            env_config=sweep.env_config,
-            evaluation_episodes=evaluation_episodes,
-            evaluation_seed=sweep.seed,
-            evaluation=EvaluationSummary(
-                mean_return=evaluation.mean_return,
-                std_return=evaluation.std_return,
-                episodes=evaluation.episodes,
-                seed=sweep.seed,
-            ),
-            best_config=swept.best_config,
-            metrics={
-                k: float(v)
-                for k, v in swept.metrics.items()
-                if isinstance(v, int | float) and not isinstance(v, bool)
-            },
-            trials=[t.model_dump() for t in swept.trials],
-            dataset_fingerprint=dataset.fingerprint if dataset else None,
-            sweep_chart=swept.chart_path,
-        ),
-        mlflow_server=server,
-        margin=margin,
-        mlflow_experiment=mlflow_experiment,
-    )
-    version = registered.version
-    tag_lineage(server, model_name, version, sweep_run)
-    print(
-        f"{model_name} v{version}: "
-        f"{'promoted to champion' if registered.promoted else 'not promoted'}: "
-        f"{registered.reason}"
-    )
-
+    request = registration_request(model_name, swept, sweep, evaluation_episodes, dataset)
     route_url = f"{cluster.serve_url}/{route}" if ship else None
     rollout: RolloutResult | None = None
     served = None
-    if not ship:
-        shipped, reason = False, "ship is false: no rollout"
-    else:
-        served = served_version(route_url)
-        champion = None if registered.promoted else champion_version(server, model_name)
-        target, reason = rollout_decision(
-            version, registered.promoted, champion, served, route, registered.reason
+    # Shipping: the route is held from the promotion on, so the reconcile that a `champion`
+    # move triggers waits for this run's rollout and then finds the route in sync: one
+    # rollout per promotion, by this run.
+    lease_s = (gates or Gates()).lease_s
+    with holding_route(cluster, route, lease_s) if ship else contextlib.nullcontext():
+        registered = register_and_promote(
+            request, mlflow_server=server, margin=margin, mlflow_experiment=mlflow_experiment
         )
-        logger.info("rollout: %s", reason)
-        if target is not None:
-            # A rejected or rolled-back rollout raises RolloutFailed: this run fails with it.
-            rollout = serve_rollout(
-                model_name=model_name,
-                version=target,
-                route=route,
-                gates=gates,
-                serving=serving,
-                ray_cluster=cluster,
-                mlflow_server=server,
+        version = registered.version
+        tag_lineage(server, model_name, version, sweep_run)
+        print(
+            f"{model_name} v{version}: "
+            f"{'promoted to champion' if registered.promoted else 'not promoted'}: "
+            f"{registered.reason}"
+        )
+        if not ship:
+            reason = "ship is false: no rollout"
+        else:
+            served = served_version(route_url)
+            champion = None if registered.promoted else champion_version(server, model_name)
+            target, reason = rollout_decision(
+                version, registered.promoted, champion, served, route, registered.reason
             )
-            served = rollout.version
-            reason = f"{reason}; rollout: {rollout.outcome} ({rollout.reason})"
-        shipped = rollout is not None
+            logger.info("rollout: %s", reason)
+            if target is not None:
+                # A rejected or rolled-back rollout raises RolloutFailed: this run fails too.
+                rollout = serve_rollout(
+                    model_name=model_name,
+                    version=target,
+                    route=route,
+                    gates=gates,
+                    serving=serving,
+                    ray_cluster=cluster,
+                    mlflow_server=server,
+                )
+                served = rollout.version
+                reason = (
+                    f"{reason}; rollout: {rollout.outcome} ({rollout.reason}) by flow run "
+                    f"{rollout.flow_run_id}"
+                )
+    shipped = rollout is not None
 
     result = PipelineResult(
         model_name=model_name,
@@ -295,6 +315,11 @@ def _summarise(result: PipelineResult, environment: str) -> None:
         f"- promotion: {'champion' if result.promoted else 'not promoted'} "
         f"({result.promotion_reason})",
         f"- rollout: {result.reason}",
+        *(
+            [f"- rolled out by: [serve-rollout]({result.rollout.flow_run_url})"]
+            if result.rollout and result.rollout.flow_run_url
+            else []
+        ),
         f"- MLflow: {result.model_version_url}",
     ]
     if result.route_url:

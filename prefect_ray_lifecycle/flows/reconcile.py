@@ -14,7 +14,7 @@ the safety net for a lost event.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -27,10 +27,9 @@ from prefect_ray_lifecycle.flows.register import DEFAULT_MODEL_NAME
 from prefect_ray_lifecycle.flows.rollout import RolloutResult, serve_rollout
 from prefect_ray_lifecycle.tasks.params import Text
 from prefect_ray_lifecycle.tasks.rollout.apps import route_context
-from prefect_ray_lifecycle.tasks.rollout.claim import hold_route, mark_crashed
+from prefect_ray_lifecycle.tasks.rollout.claim import hold_route, mark_crashed, route_holder
 from prefect_ray_lifecycle.tasks.rollout.config import Gates, LLMServing, Serving
 from prefect_ray_lifecycle.tasks.rollout.recovery import finish_interrupted
-from prefect_ray_lifecycle.tasks.rollout.rollout import route_holder
 from prefect_ray_lifecycle.workloads.constants import ROUTER_DEPLOYMENT
 from prefect_ray_lifecycle.workloads.serve.router_config import TargetKind
 
@@ -94,6 +93,7 @@ def reconcile(
     mlflow_server: MLflowServer | None = None,
     kind: TargetKind = "policy",
     llm: LLMServing | None = None,
+    wait_for_ray_s: Annotated[float, Field(ge=0, le=3600)] = 600.0,
 ) -> ReconcileResult:
     """Bring the route to what is wanted: finish an interrupted rollout, restore a lost or
     unhealthy route through the gates, then roll `champion` out when it differs from what is
@@ -109,6 +109,8 @@ def reconcile(
         mlflow_server: The MLflow server; the local one (http://127.0.0.1:5000) when empty.
         kind: What the route serves: "policy" or "llm" (for a route that must be restored).
         llm: Engine, replicas and venv of an LLM version's app (kind "llm").
+        wait_for_ray_s: How long to wait for a Ray head that does not take connections yet
+            (a restarting one, whose lost route started this run) before failing.
     """
     logger = get_run_logger()
     gates, serving = gates or Gates(), serving or Serving()
@@ -117,6 +119,9 @@ def reconcile(
     if cluster.is_embedded:
         raise ValueError("reconcile needs the Ray cluster that serves the route: set its address")
     url = f"{cluster.serve_url}/{route}"
+    waited = cluster.wait_reachable(wait_for_ray_s)
+    if waited > 1:
+        logger.info("Ray at %s took connections again after %.0f s", cluster.address, waited)
     holder = route_holder()
     steps: list[Step] = []
     found: Observed | None = None

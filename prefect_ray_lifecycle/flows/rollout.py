@@ -20,7 +20,7 @@ from prefect_ray_lifecycle.tasks import lineage
 from prefect_ray_lifecycle.tasks.params import ModelVersion, Text
 from prefect_ray_lifecycle.tasks.rollout.apps import route_context
 from prefect_ray_lifecycle.tasks.rollout.changes import inject, swap, withdraw
-from prefect_ray_lifecycle.tasks.rollout.claim import hold_route
+from prefect_ray_lifecycle.tasks.rollout.claim import hold_route, route_holder
 from prefect_ray_lifecycle.tasks.rollout.config import Drill, Gates, LLMServing, Serving
 from prefect_ray_lifecycle.tasks.rollout.gates import canary_step, deploy_candidate, smoke
 from prefect_ray_lifecycle.tasks.rollout.rollout import (
@@ -29,7 +29,6 @@ from prefect_ray_lifecycle.tasks.rollout.rollout import (
     RolloutResult,
     best_effort,
     resolve_version,
-    route_holder,
 )
 from prefect_ray_lifecycle.workloads.serve.router_config import TargetKind
 

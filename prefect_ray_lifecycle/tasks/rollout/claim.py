@@ -32,12 +32,15 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlo
 from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 from prefect.exceptions import MissingContextError, ObjectAlreadyExists, ObjectNotFound
 from prefect.logging import get_logger, get_run_logger
+from prefect.runtime import flow_run
 from prefect.states import Crashed
 
 from prefect_ray_lifecycle.workloads.serve.route_state import route_state
 
 __all__ = [
     "RouteClaim",
+    "holding_route",
+    "route_holder",
     "RouteClaimLost",
     "ensure_rollout_limit",
     "hold_route",
@@ -74,6 +77,11 @@ class RouteClaim:
                 f"rollout {self.holder} lost route {self.route}: its lease lapsed and was "
                 f"taken over"
             )
+
+
+def route_holder() -> str:
+    """Who holds a route: this flow run (a fresh id outside one)."""
+    return str(flow_run.id or uuid.uuid4())
 
 
 def limit_name(route: str) -> str:
@@ -125,6 +133,23 @@ def hold_route(route: str, holder: str, lease_s: float) -> Iterator[RouteClaim]:
         with contextlib.suppress(Exception):  # a dead cluster lets nothing be released
             ray.get(actor.release.remote(holder), timeout=10)
         _release_slot(claim.slot_lease_id)
+
+
+@contextlib.contextmanager
+def holding_route(cluster: Any, route: str, lease_s: float) -> Iterator[RouteClaim]:
+    """This flow run joins `cluster` (a RayCluster block) and holds `route` for the block:
+    its subflows' rollouts and reconciles run under the same claim. A pipeline holds the
+    route from the promotion it makes to the end of its rollout, so the reconcile that its
+    `champion` move triggers finds the route in sync when it gets it, instead of racing it."""
+    from prefect_ray_lifecycle.control import serve_control
+
+    with cluster.connect() as joined:
+        try:
+            with hold_route(route, route_holder(), lease_s) as claim:
+                yield claim
+        finally:
+            if joined is not None:  # this flow started the Ray connection: leave no handles
+                serve_control.release()
 
 
 def _run_logger() -> Any:

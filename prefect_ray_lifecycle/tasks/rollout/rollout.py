@@ -7,12 +7,12 @@ chart; `finish` returns the result, `fail` raises RolloutFailed with the decisio
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
 from prefect import get_run_logger
 from prefect.runtime import flow_run
+from prefect.utilities.urls import url_for
 from pydantic import BaseModel, Field
 
 from prefect_ray_lifecycle.blocks import MLflowServer
@@ -33,7 +33,6 @@ __all__ = [
     "RolloutResult",
     "best_effort",
     "resolve_version",
-    "route_holder",
 ]
 
 Outcome = Literal["promoted", "first_rollout", "already_live", "withdrawn", "rebaked"]
@@ -58,11 +57,8 @@ class RolloutResult(BaseModel):
     chart_url: str | None = Field(
         None, description="The rollout's chart (a PNG on the version's MLflow run)."
     )
-
-
-def route_holder() -> str:
-    """Who holds a route: this flow run (a fresh id outside one)."""
-    return str(flow_run.id or uuid.uuid4())
+    flow_run_id: str | None = Field(None, description="The flow run that rolled it out.")
+    flow_run_url: str | None = Field(None, description="That flow run in the Prefect UI.")
 
 
 def resolve_version(server: MLflowServer, model_name: str, version: str | None, alias: str) -> str:
@@ -207,6 +203,8 @@ class Rollout:
             previous_version=self.previous_version,
             timeline=self.timeline.entries,
             chart_url=self.timeline.chart_url,
+            flow_run_id=str(flow_run.id) if flow_run.id else None,
+            flow_run_url=_run_url(),
         )
 
     def fail(
@@ -316,6 +314,10 @@ class Rollout:
             verdict={"verdict": "promoted", "app": new.app, "reason": baked.reason},
             event=("promoted", {"previous": previous.version, "url": self.url}),
         )
+
+
+def _run_url() -> str | None:
+    return str(url_for("flow-run", obj_id=flow_run.id) or "") or None if flow_run.id else None
 
 
 def best_effort(stage: Any, *args: Any) -> None:
