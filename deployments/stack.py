@@ -166,7 +166,23 @@ def deployed(
             for route in routes:
                 route_watch.removed(route)
             setup.stop_worker(stack.state_dir)
-            drop_unfinished_runs()
+            undeploy()
+
+
+def undeploy() -> None:
+    """Delete this project's deployments (their triggers go with them) and every run of
+    theirs that has not ended: a later test's worker on this Prefect server runs nothing
+    this one queued, and no later champion move anywhere starts a reconcile."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    drop_unfinished_runs()
+    with get_client(sync_client=True) as client:
+        found = client.read_deployments(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=setup.FLOW_NAMES))
+        )
+        for deployment in found:
+            client.delete_deployment(deployment.id)
 
 
 def drop_unfinished_runs() -> list[str]:

@@ -90,8 +90,9 @@ def text_parameters(flow) -> list[str]:
     """Top-level parameters the UI renders as a free text field."""
     names = []
     for name, schema in flow.parameters.properties.items():
-        types = {schema.get("type")} | {s.get("type") for s in schema.get("anyOf", [])}
-        if "string" in types and "enum" not in schema:
+        choices = [schema, *schema.get("anyOf", [])]
+        types = {s.get("type") for s in choices}
+        if "string" in types and not any("enum" in s for s in choices):
             names.append(name)
     return names
 

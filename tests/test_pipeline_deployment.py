@@ -21,6 +21,7 @@ from mlflow import MlflowClient
 from deployments import lineage as walkback
 from deployments import setup
 from deployments.stack import environment as stack_environment
+from deployments.stack import undeploy
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.tasks import lineage
@@ -114,6 +115,7 @@ def environment(stack):
         yield env, model_name
     finally:
         setup.stop_worker(stack.state_dir)
+        undeploy()
         cluster = stack.ray_cluster()
         with cluster.connect():
             serve_control.start(cluster.serve_host, cluster.serve_port)

@@ -329,8 +329,7 @@ class RayCluster(Block):
             except OSError as error:
                 if time.monotonic() - started >= timeout_s:
                     raise ConnectionError(
-                        f"Ray at {self.address} took no connection for {timeout_s:.0f} s: "
-                        f"{error}"
+                        f"Ray at {self.address} took no connection for {timeout_s:.0f} s: {error}"
                     ) from None
             time.sleep(every_s)
 

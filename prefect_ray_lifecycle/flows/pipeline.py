@@ -244,6 +244,7 @@ def train_and_ship(
     )
 
     request = registration_request(model_name, swept, sweep, evaluation_episodes, dataset)
+    request.route = route if ship else None
     route_url = f"{cluster.serve_url}/{route}" if ship else None
     rollout: RolloutResult | None = None
     served = None

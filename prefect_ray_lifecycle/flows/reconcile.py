@@ -25,6 +25,7 @@ from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.control.convergence import Observed, Step, next_step
 from prefect_ray_lifecycle.flows.register import DEFAULT_MODEL_NAME
 from prefect_ray_lifecycle.flows.rollout import RolloutResult, serve_rollout
+from prefect_ray_lifecycle.tasks._base import mlflow_task
 from prefect_ray_lifecycle.tasks.params import Text
 from prefect_ray_lifecycle.tasks.rollout.apps import route_context
 from prefect_ray_lifecycle.tasks.rollout.claim import hold_route, mark_crashed, route_holder
@@ -83,15 +84,22 @@ def observe(route: str, model_name: str, server: MLflowServer, holder: str) -> O
     )
 
 
+@mlflow_task
+def served_where(server: MLflowServer, model_name: str) -> dict[str, Any]:
+    """Where the model is served, as recorded with it (route, kind, serving settings)."""
+    with server.session() as client:
+        return registry.serving_tags(client, model_name)
+
+
 @flow(name="reconcile")
 def reconcile(
     model_name: Text = DEFAULT_MODEL_NAME,
-    route: Text = "policy",
+    route: Text | None = None,
     gates: Gates | None = None,
     serving: Serving | None = None,
     ray_cluster: RayCluster | None = None,
     mlflow_server: MLflowServer | None = None,
-    kind: TargetKind = "policy",
+    kind: TargetKind | None = None,
     llm: LLMServing | None = None,
     wait_for_ray_s: Annotated[float, Field(ge=0, le=3600)] = 600.0,
 ) -> ReconcileResult:
@@ -102,19 +110,31 @@ def reconcile(
 
     Args:
         model_name: Registered model in MLflow.
-        route: The Serve route that serves the model.
+        route: The Serve route that serves the model; empty: the one the model was
+            registered or last rolled out with (its `lifecycle.serving.route` tag), else
+            "policy". A `champion` move names only the model, so this is how it finds its
+            route.
         gates: Gate settings for any rollout or recovery it runs.
-        serving: Serving settings for any rollout it runs.
+        serving: Serving settings for any rollout it runs; empty: the model's recorded
+            ones, else the defaults.
         ray_cluster: The Ray cluster that serves the route.
         mlflow_server: The MLflow server; the local one (http://127.0.0.1:5000) when empty.
-        kind: What the route serves: "policy" or "llm" (for a route that must be restored).
-        llm: Engine, replicas and venv of an LLM version's app (kind "llm").
+        kind: What the route serves: "policy" or "llm"; empty: the model's recorded kind,
+            else "policy".
+        llm: Engine, replicas and venv of an LLM version's app (kind "llm"); empty: the
+            model's recorded ones, else the defaults.
         wait_for_ray_s: How long to wait for a Ray head that does not take connections yet
             (a restarting one, whose lost route started this run) before failing.
     """
     logger = get_run_logger()
-    gates, serving = gates or Gates(), serving or Serving()
     server, cluster = mlflow_server or MLflowServer(), ray_cluster or RayCluster()
+    gates = gates or Gates()
+    place = served_where(server, model_name)
+    route = route or place["route"] or "policy"
+    kind = kind or place["kind"] or "policy"
+    recorded = place["settings"] or {}
+    serving = serving or Serving.model_validate(recorded.get("serving") or {})
+    llm = llm or LLMServing.model_validate(recorded.get("llm") or {})
     serve_control.validate_route(route)
     if cluster.is_embedded:
         raise ValueError("reconcile needs the Ray cluster that serves the route: set its address")

@@ -13,7 +13,13 @@ from prefect_ray_lifecycle.control import registry
 from prefect_ray_lifecycle.control.promotion import EvalProtocol
 from prefect_ray_lifecycle.tasks import charts, lineage
 from prefect_ray_lifecycle.tasks.params import Text
-from prefect_ray_lifecycle.tasks.register import EvaluationSummary, evaluate, promote, register
+from prefect_ray_lifecycle.tasks.register import (
+    EvaluationSummary,
+    evaluate,
+    promote,
+    record_place,
+    register,
+)
 
 DEFAULT_MODEL_NAME = "cartpole-ppo"
 DEFAULT_MLFLOW_EXPERIMENT = "prefect-ray-lifecycle"
@@ -66,6 +72,12 @@ class RegistrationRequest(BaseModel):
         None,
         description="The sweep's chart (a PNG file on this machine, tune-sweep's chart_path), "
         "logged on the version's MLflow run and shown on this flow run.",
+    )
+    route: Text | None = Field(
+        None,
+        description="The Serve route the model is served on, kept with the registered model "
+        "before any promotion, so that its `champion` move reaches that route; empty: "
+        "whatever it was last rolled out with.",
     )
 
     @field_validator("model_name")
@@ -130,6 +142,8 @@ def register_and_promote(
         mlflow_experiment=mlflow_experiment,
         create_model=create_model,
     )
+    if request.route:  # before the promotion: its champion move must find the route
+        record_place(server, request.model_name, request.route, "policy")
     chart_url = None
     if request.sweep_chart:
         # Never fails the flow: a missing or broken chart is a warning in the logs.

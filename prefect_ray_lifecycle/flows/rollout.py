@@ -18,6 +18,7 @@ from prefect_ray_lifecycle.control.canary import GateFailed
 from prefect_ray_lifecycle.flows.register import DEFAULT_MODEL_NAME
 from prefect_ray_lifecycle.tasks import lineage
 from prefect_ray_lifecycle.tasks.params import ModelVersion, Text
+from prefect_ray_lifecycle.tasks.register import record_place
 from prefect_ray_lifecycle.tasks.rollout.apps import route_context
 from prefect_ray_lifecycle.tasks.rollout.changes import inject, swap, withdraw
 from prefect_ray_lifecycle.tasks.rollout.claim import hold_route, route_holder
@@ -101,6 +102,10 @@ def serve_rollout(
         finally:
             if joined is not None:  # this flow started the Ray connection: leave no handles
                 serve_control.release()
+    settings = {"serving": serving.model_dump(mode="json")}
+    if kind == "llm":
+        settings["llm"] = llm.model_dump(mode="json")
+    record_place(server, model_name, route, kind, settings)
     if result.outcome != "already_live":
         lineage.record_serving(
             cluster,

@@ -206,3 +206,17 @@ def promote(
             registry.remove_alias(client, model_name, registry.CHALLENGER)
     get_run_logger().info("%s v%s: %s", model_name, version, verdict.reason)
     return verdict
+
+
+@mlflow_task
+def record_place(
+    mlflow_server: MLflowServer,
+    model_name: str,
+    route: str,
+    kind: str,
+    settings: dict[str, Any] | None = None,
+) -> None:
+    """Keep with the registered model where it is served (route, kind, serving settings):
+    a later `champion` move, which names only the model, reaches reconcile with them."""
+    with mlflow_server.session() as client:
+        registry.set_serving_tags(client, model_name, route, kind, settings)
