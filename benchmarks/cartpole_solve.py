@@ -5,10 +5,13 @@ The flow side: one trial of the flow's default hyperparameters (no search: the d
 space only varies the learning rate), stopped at a mean episode return of 450, the default
 env-step budget or a wall-time cap for busy machines. The raw side: the same RLlib config
 (built by workloads.rl.rllib with the sweep's seed and hyperparameters) trained in a plain loop on
-a plain `ray.init` of the same size, stopped at the same conditions. Both are timed end to end
-(Ray start included), and both checkpoints get the flow's RLModule-only evaluation on the same
-held-out seeds. A local Prefect server is started first, outside the timing. Last line: one
-JSON object with `solved` for each side.
+a plain `ray.init` of the same size, stopped at the same conditions. Both are timed end to end,
+from before Ray starts until the checkpoint has been evaluated: the same RLModule-only
+evaluation (rllib.evaluate_checkpoint, the same episodes and held-out seeds) on both sides,
+inside the flow's sweep task and after the raw loop's `ray.shutdown()`. `--rounds` rounds
+(3 by default) alternate which side goes first; medians are reported. A local Prefect server
+is started first, outside the timing. Last line: one JSON object with `ratio` (flow seconds
+over raw seconds) and `solved` for each side.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -97,10 +101,10 @@ def run_raw(sweep, num_cpus: int, episodes: int, storage: Path) -> dict:
             algo.stop()
     finally:
         ray.shutdown()
-    seconds = time.perf_counter() - start
     evaluation = rllib.evaluate_checkpoint(
         checkpoint, sweep.environment, sweep.env_config, episodes=episodes, seed=sweep.seed
     )
+    seconds = time.perf_counter() - start
     return {
         "solved": bool(best_return >= stop.episode_return),
         "seconds": round(seconds, 1),
@@ -108,6 +112,20 @@ def run_raw(sweep, num_cpus: int, episodes: int, storage: Path) -> dict:
         "iterations": iterations,
         "best_training_return": round(float(best_return), 1),
         "eval_return_mean": round(evaluation.mean_return, 1),
+    }
+
+
+def medians(runs: list[dict]) -> dict:
+    """One side's rounds: medians of its figures, every round's seconds, solved in each."""
+    return {
+        "solved": all(run["solved"] for run in runs),
+        "seconds": round(statistics.median(run["seconds"] for run in runs), 1),
+        "env_steps": int(statistics.median(run["env_steps"] for run in runs)),
+        "iterations": int(statistics.median(run["iterations"] for run in runs)),
+        "eval_return_mean": round(statistics.median(run["eval_return_mean"] for run in runs), 1),
+        "rounds_seconds": [run["seconds"] for run in runs],
+        "rounds_env_steps": [run["env_steps"] for run in runs],
+        "rounds_solved": [run["solved"] for run in runs],
     }
 
 
@@ -127,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         default=TARGET_RETURN,
         help="mean training return that counts as solved (lower it for a quick check run)",
     )
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of both sides (>= 3)")
     args = parser.parse_args(argv)
 
     # Import what both sides use before any timing: neither pays the other's imports.
@@ -138,10 +157,15 @@ def main(argv: list[str] | None = None) -> int:
 
     sweep = sweep_config(args.target_return, args.max_seconds)
     work = Path(tempfile.mkdtemp(prefix="bench-cartpole-"))
+    runs: dict[str, list[dict]] = {"flow": [], "raw": []}
     try:
         with prefect_api():
-            flow = run_flow(sweep, args.num_cpus, args.episodes, work / "sweeps")
-            raw = run_raw(sweep, args.num_cpus, args.episodes, work / "raw")
+            for round_ in range(args.rounds):
+                # The order alternates round by round, so drift in load falls on both.
+                for side in ("flow", "raw") if round_ % 2 == 0 else ("raw", "flow"):
+                    storage = work / f"{side}-{round_}"
+                    run = run_flow if side == "flow" else run_raw
+                    runs[side].append(run(sweep, args.num_cpus, args.episodes, storage))
             # The flow's last logs go out while the benchmark's Prefect server still runs.
             APILogWorker.drain_all(timeout=30)
         print(
@@ -152,10 +176,22 @@ def main(argv: list[str] | None = None) -> int:
                     "num_cpus": args.num_cpus,
                     "hyperparameters": sweep.hyperparameters,
                     "seed": sweep.seed,
+                    "runs": runs,
                 }
             )
         )
-        print(json.dumps({"flow": flow, "raw": raw}))
+        flow, raw = medians(runs["flow"]), medians(runs["raw"])
+        print(
+            json.dumps(
+                {
+                    "ratio": round(flow["seconds"] / raw["seconds"], 3),
+                    "flow": flow,
+                    "raw": raw,
+                    "rounds": args.rounds,
+                    "statistic": "median",
+                }
+            )
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -6,12 +6,16 @@ floor for a task run recorded in Prefect) and plain @ray.remote calls (the floor
 CPUs) and one Prefect server (or PREFECT_API_URL) serve every side. Each side connects the way
 a flow does: the Ray runners start their own driver and Ray job per flow run (ours with its
 job config and worker setup hook), the plain side its own driver. Within each flow run a
-warm-up fills the job's workers first; only the next `--tasks` tasks are timed. The order of
-the sides rotates each round; medians over the rounds are reported. After each flow run the
-API must hold every task run completed, with its log lines. Last line, one JSON object:
-{"tasks", "rounds", "ours_ms", "stock_ms", "threadpool_ms", "plain_ray_ms", "ours_vs_stock",
-"ours_vs_threadpool", "task_runs_with_logs" (the least share of a side's task runs whose log
-lines reached the API within LOGS_WAIT_S), "rounds_ms"}.
+warm-up fills the job's workers first (and runs a few task runs that fail once and pass on
+their retry); only the next `--tasks` tasks are timed. The order of the sides rotates each
+round; medians over the rounds are reported. After each flow run the API must hold every task
+run completed; then its task runs, their states and their log lines are counted, and the run
+fails loudly unless ours recorded exactly as many of each as the thread pool did in the same
+round (no saving may come from a record dropped). Last line, one
+JSON object: {"tasks", "rounds", "ours_ms", "stock_ms", "threadpool_ms", "plain_ray_ms",
+"ours_vs_stock", "ours_vs_threadpool", "recorded" (per side, per flow run: task runs, states,
+log lines under task runs), "task_runs_with_logs" (the least share of a side's task runs whose
+log lines reached the API within LOGS_WAIT_S), "rounds_ms"}.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from deployments import local
 
 RAY_CPUS = 2
 WARMUP_TASKS = 8  # enough that each of the job's workers has imported Prefect
+RETRIED_TASKS = 4  # in the warm-up too: each fails once, then passes on its retry
+UNTIMED_TASKS = WARMUP_TASKS + RETRIED_TASKS
 SIDES = ("stock", "ours", "threadpool", "plain_ray")
 RECORDED_TIMEOUT_S = 60.0  # for every task run of a flow run to be recorded completed
 LOGS_WAIT_S = 10.0  # for each of them to have its log lines
@@ -61,18 +67,29 @@ def ray_head() -> Iterator[tuple[str, str]]:
         shutil.rmtree(state_dir, ignore_errors=True)
 
 
+class RecordsDiffer(RuntimeError):
+    """Our runner recorded fewer (or more) task runs, states or log lines than the thread pool."""
+
+
 def run(address: str, token: str, tasks: int, rounds: int) -> dict:
     from prefect_ray_lifecycle.blocks import RayCluster
 
     cluster = RayCluster(address=address, auth_token=token)
     cluster.export_auth_token()  # for stock prefect-ray's and the plain side's drivers
-    logged: dict[str, list[float]] = {side: [] for side in SIDES if side != "plain_ray"}
-    measure = sides(cluster, logged)
+    records: dict[str, list[dict]] = {side: [] for side in SIDES if side != "plain_ray"}
+    measure = sides(cluster, records)
     per_round: dict[str, list[float]] = {side: [] for side in SIDES}
     for index in range(rounds):
         order = SIDES[index % len(SIDES) :] + SIDES[: index % len(SIDES)]
         for side in order:
             per_round[side].append(measure[side](tasks) * 1000 / tasks)
+        ours, pool = records["ours"][-1], records["threadpool"][-1]
+        counted = ("task_runs", "states", "log_lines")
+        if any(ours[k] != pool[k] for k in counted) or ours["task_runs"] != tasks + UNTIMED_TASKS:
+            raise RecordsDiffer(
+                f"round {index}: ours recorded {ours}, the thread pool {pool} "
+                f"({tasks + UNTIMED_TASKS} task runs each)"
+            )
     median = {side: statistics.median(values) for side, values in per_round.items()}
     return {
         "tasks": tasks,
@@ -83,14 +100,21 @@ def run(address: str, token: str, tasks: int, rounds: int) -> dict:
         "plain_ray_ms": round(median["plain_ray"], 3),
         "ours_vs_stock": round(median["ours"] / median["stock"], 3),
         "ours_vs_threadpool": round(median["ours"] / median["threadpool"], 3),
-        "task_runs_with_logs": {side: round(min(shares), 3) for side, shares in logged.items()},
+        "recorded": {
+            side: {k: v for k, v in runs[-1].items() if k != "task_runs_with_logs"}
+            for side, runs in records.items()
+        },
+        "task_runs_with_logs": {
+            side: round(min(run["task_runs_with_logs"] for run in runs), 3)
+            for side, runs in records.items()
+        },
         "rounds_ms": {side: [round(v, 2) for v in values] for side, values in per_round.items()},
     }
 
 
-def sides(cluster, logged: dict[str, list[float]]) -> dict[str, Callable[[int], float]]:
+def sides(cluster, records: dict[str, list[dict]]) -> dict[str, Callable[[int], float]]:
     """Each side as a function of the task count returning the timed seconds; the Prefect
-    sides add to `logged` the share of their task runs whose log lines reached the API."""
+    sides add to `records` what the API recorded of each of their flow runs (`recorded`)."""
     import ray
     from prefect import flow, task
     from prefect.task_runners import ThreadPoolTaskRunner
@@ -102,18 +126,27 @@ def sides(cluster, logged: dict[str, list[float]]) -> dict[str, Callable[[int], 
     def noop(i: int) -> int:
         return i
 
+    @task(retries=1, retry_delay_seconds=0)
+    def fails_once(i: int) -> int:
+        from prefect.runtime import task_run
+
+        if task_run.run_count < 2:
+            raise RuntimeError(f"attempt {task_run.run_count} of {i} fails")
+        return i
+
     @flow
     def fan_out(n: int) -> tuple[float, str]:
         from prefect.runtime import flow_run
 
         assert len(noop.map(range(WARMUP_TASKS)).result()) == WARMUP_TASKS
+        assert len(fails_once.map(range(RETRIED_TASKS)).result()) == RETRIED_TASKS
         started = time.perf_counter()
         assert len(noop.map(range(n)).result()) == n
         return time.perf_counter() - started, flow_run.id
 
     def timed_and_recorded(name: str, runner, n: int) -> float:
         elapsed, flow_run_id = fan_out.with_options(task_runner=runner)(n)
-        logged[name].append(recorded(flow_run_id, n + WARMUP_TASKS))
+        records[name].append(recorded(flow_run_id, n + UNTIMED_TASKS))
         return elapsed
 
     def plain_ray(n: int) -> float:
@@ -142,10 +175,11 @@ def sides(cluster, logged: dict[str, list[float]]) -> dict[str, Callable[[int], 
     return {**measured, "plain_ray": plain_ray}
 
 
-def recorded(flow_run_id: str, tasks: int) -> float:
-    """Wait until the API holds `tasks` completed task runs of the flow run (raise when it
-    does not in time: speed bought by lost records does not count); then, for LOGS_WAIT_S at
-    most, until each has log lines. Returns the share of task runs with logs."""
+def recorded(flow_run_id: str, tasks: int) -> dict:
+    """What the API recorded of the flow run: wait until it holds `tasks` completed task runs
+    (raise when it does not in time: speed bought by lost records does not count); then, for
+    LOGS_WAIT_S at most, until each has log lines. Returns the task runs, their states, the
+    log lines under task runs, and the share of task runs with log lines."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, LogFilter, TaskRunFilter
 
@@ -164,17 +198,28 @@ def recorded(flow_run_id: str, tasks: int) -> float:
             time.sleep(0.5)
         deadline = time.monotonic() + LOGS_WAIT_S
         while True:
-            logged: set = set()
+            lines = []
             offset = 0
             while True:  # every page of the flow run's logs
                 page = client.read_logs(log_filter=logs, limit=200, offset=offset)
-                logged |= {log.task_run_id for log in page if log.task_run_id}
+                lines += [log for log in page if log.task_run_id]
                 offset += len(page)
                 if len(page) < 200:
                     break
+            logged = {log.task_run_id for log in lines}
             if len(logged) >= tasks or time.monotonic() > deadline:
-                return len(logged) / tasks
+                break
             time.sleep(0.5)
+        task_runs: list = []
+        while page := client.read_task_runs(flow_run_filter=runs, limit=200, offset=len(task_runs)):
+            task_runs += page
+        states = sum(len(client.read_task_run_states(run.id)) for run in task_runs)
+    return {
+        "task_runs": len(task_runs),
+        "states": states,
+        "log_lines": len(lines),
+        "task_runs_with_logs": len(logged) / tasks,
+    }
 
 
 if __name__ == "__main__":

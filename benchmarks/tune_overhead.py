@@ -4,12 +4,14 @@ Both run on an embedded local Ray of the same size, timed end to end (Ray start 
 both), with the same RLlib config built by workloads.rl.rllib, FIFO scheduling and a fixed
 iteration budget so both do the same training. The flow adds what the raw script lacks: the
 preflight, the progress callback and its artifact, the trial table and best-trial artifacts,
-and a one-episode RLModule evaluation. A local Prefect server is started first, outside the
-timing. Each round runs both sides, the order alternating round by round (raw first, then flow
-first, ...), so drift in machine load falls on both; medians over the rounds are reported,
-with the flow's time split into its stages (from its Prefect task run): the engine before the
-sweep task, the sweep task (Ray start, preflight, Tune, evaluation, Ray shutdown) and what
-follows it (the experiment asset, the flow's end). Last line: one JSON object.
+and a one-episode RLModule evaluation. A local Prefect server is started first, and each side
+runs once (a warm-up sweep of --warmup-iterations), all outside the timing, so that no counted
+round pays a process's first imports, compiles or caches. Each round runs both sides, the
+order alternating round by round (raw first, then flow first, ...), so drift in machine load
+falls on both; medians over the rounds are reported, with the flow's time split into its
+stages (from its Prefect task run): the engine before the sweep task, the sweep task (Ray
+start, preflight, Tune, evaluation, Ray shutdown) and what follows it (the experiment asset,
+the flow's end). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -133,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of both sides (>= 3)")
     parser.add_argument(
+        "--warmup-iterations",
+        type=int,
+        default=1,
+        help="iterations of the uncounted warm-up sweep of each side (0: no warm-up)",
+    )
+    parser.add_argument(
         "--raw-via-block",
         action="store_true",
         help="also time the raw script connected through the RayCluster block",
@@ -150,6 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {side: [] for side in sides}
         stages: dict[str, list[float]] = {}
         with prefect_api():
+            if args.warmup_iterations:
+                for side in sides:
+                    storage = work / f"warmup-{side}"
+                    if side == "flow":
+                        run_flow_stages(storage, args.num_cpus, args.warmup_iterations)
+                    else:
+                        run_raw(storage, args.num_cpus, args.warmup_iterations, side == "raw_block")
             for round_ in range(args.rounds):
                 for side in sides if round_ % 2 == 0 else sides[::-1]:
                     storage = work / f"{side}-{round_}"
@@ -171,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "trials": TRIALS,
                     "iterations": args.iterations,
+                    "warmup_iterations": args.warmup_iterations,
                     "num_cpus": args.num_cpus,
                     "runs": {k: [round(t, 2) for t in v] for k, v in times.items()},
                     "flow_stages": {k: [round(t, 2) for t in v] for k, v in stages.items()},

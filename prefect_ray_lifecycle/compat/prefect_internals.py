@@ -31,6 +31,7 @@ __all__ = [
     "flow_run_being_started",
     "pending_events",
     "raise_if_flow_run_suspension_requested",
+    "rebuild_context_models",
     "temporary_server_running",
 ]
 
@@ -44,6 +45,7 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("prefect.task_runners", "TaskRunner._started", instance=True),
     Symbol("prefect_ray.task_runners", "RayTaskRunner._exchange_prefect_for_ray_futures"),
     Symbol("prefect.futures", "PrefectWrappedFuture._final_state", instance=True),
+    Symbol("prefect._internal.result_records", "ResultRecordMetadata"),
 )
 
 
@@ -81,6 +83,21 @@ def raise_if_flow_run_suspension_requested() -> None:
     from prefect._flow_run_suspension import raise_if_flow_run_suspension_requested as check
 
     check()
+
+
+def rebuild_context_models() -> None:
+    """Complete the flow and task run context models with the types they name, as
+    `prefect.context.hydrated_context` does before it builds a context from its serialised
+    form. Relies on `prefect._internal.result_records.ResultRecordMetadata` being one of them
+    (Prefect 3.9.1)."""
+    from prefect._internal.result_records import ResultRecordMetadata
+    from prefect.context import FlowRunContext, TaskRunContext
+    from prefect.flows import Flow
+    from prefect.tasks import Task
+
+    types = {"Flow": Flow, "Task": Task, "ResultRecordMetadata": ResultRecordMetadata}
+    FlowRunContext.model_rebuild(_types_namespace=types)
+    TaskRunContext.model_rebuild(_types_namespace=types)
 
 
 def deployment_id() -> Any:

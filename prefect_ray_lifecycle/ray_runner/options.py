@@ -25,6 +25,11 @@ def ray_options(**options: Any) -> Callable[[F], F]:
     unknown = set(options) - ray_internals.task_option_names()
     if unknown:
         raise ValueError(f"unknown Ray task options: {sorted(unknown)}")
+    if "num_returns" in options:
+        raise ValueError(
+            "num_returns is the task runner's own: a task run's Ray task returns its final "
+            "state and its log lines"
+        )
 
     def attach(fn: F) -> F:
         setattr(fn, RAY_OPTIONS_ATTRIBUTE, dict(options))

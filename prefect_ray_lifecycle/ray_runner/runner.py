@@ -19,7 +19,7 @@ from uuid import UUID, uuid4
 
 import orjson
 from prefect.client.orchestration import get_client
-from prefect.context import FlowRunContext
+from prefect.context import FlowRunContext, SettingsContext
 from prefect.exceptions import ObjectNotFound
 from prefect.futures import PrefectFuture
 from prefect.logging.loggers import get_logger, get_run_logger
@@ -41,7 +41,7 @@ from prefect_ray_lifecycle.ray_runner.lineage import (
     link_flow_run,
     ray_task_name,
 )
-from prefect_ray_lifecycle.ray_runner.logs import ChildTaskLogs
+from prefect_ray_lifecycle.ray_runner.logs import ChildTaskLogs, forward_task_logs
 from prefect_ray_lifecycle.ray_runner.options import RAY_OPTIONS_ATTRIBUTE
 from prefect_ray_lifecycle.ray_runner.settings import prefect_api_url, worker_settings_overrides
 from prefect_ray_lifecycle.ray_runner.worker import run_on_ray, worker_setup_hook
@@ -218,6 +218,7 @@ class RayClusterTaskRunner(RayRunnerBase):
             **self.remote_defaults,
             **getattr(task.fn, RAY_OPTIONS_ATTRIBUTE, {}),
             **RemoteOptionsContext.get().current_remote_options,
+            "num_returns": 2,  # the final state, and the run's log lines for this process
         }
         flow_run = FlowRunContext.get()
         flow_run_id = flow_run.flow_run.id if flow_run and flow_run.flow_run else None
@@ -231,12 +232,12 @@ class RayClusterTaskRunner(RayRunnerBase):
         name = (
             task.name if flow_run_id is None else ray_task_name(task.name, flow_run_id, task_run_id)
         )
-        object_ref = (
+        state_ref, lines_ref = (
             self._remote_function(options)
             .options(name=name)
             .remote(
                 *upstream_refs,
-                task=task,
+                task=self.shipper.task(task),
                 task_run_id=task_run_id,
                 parameters=parameters,
                 wait_for=wait_for,
@@ -245,7 +246,8 @@ class RayClusterTaskRunner(RayRunnerBase):
                 crash_backoff_s=self.crash_backoff_s,
             )
         )
-        future = CrashRecordingRayFuture(task_run_id=task_run_id, wrapped_future=object_ref)
+        forward_task_logs(lines_ref, SettingsContext.get())
+        future = CrashRecordingRayFuture(task_run_id=task_run_id, wrapped_future=state_ref)
         future.task = task
         future.flow_run_id = flow_run_id
         return future

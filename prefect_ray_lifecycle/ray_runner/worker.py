@@ -28,14 +28,13 @@ from prefect.futures import PrefectFuture
 from prefect.logging.loggers import get_logger
 from prefect.states import AwaitingRetry, State
 from prefect.task_engine import AsyncTaskRunEngine, SyncTaskRunEngine
-from prefect.tasks import Task
 from prefect.utilities.collections import visit_collection
 from prefect.utilities.engine import emit_task_run_state_change_event
 from prefect.utilities.importtools import lazy_import
 
 from prefect_ray_lifecycle.compat import prefect_internals, ray_internals
 from prefect_ray_lifecycle.compat.prefect_internals import raise_if_flow_run_suspension_requested
-from prefect_ray_lifecycle.ray_runner.contexts import worker_context
+from prefect_ray_lifecycle.ray_runner.contexts import Shipped, worker_context, worker_task
 from prefect_ray_lifecycle.ray_runner.lineage import (
     NAME_TAG,
     child_tasks_key,
@@ -58,21 +57,24 @@ BY_VALUE_MODULE = "prefect_ray_by_value"  # a module name no worker can import
 
 def run_on_ray(
     *upstream_refs: Any,
-    task: Task[Any, Any],
+    task: Shipped,
     task_run_id: UUID,
     context: dict[str, Any],
     parameters: dict[str, Any],
     crash_backoff_s: float,
     wait_for: Iterable[PrefectFuture[Any]] | None = None,
     dependencies: dict[str, set[Any]] | None = None,
-) -> Any:
+) -> tuple[State, list[bytes]]:
     """Run one Prefect task run in a Ray worker; when Ray re-runs it after a system failure,
-    continue the same task run as its next, recorded attempt. `context` comes from
-    contexts.ContextShipper; its settings, client and flow run context are cached per process."""
+    continue the same task run as its next, recorded attempt. `task` and `context` come from
+    contexts.ContextShipper; the task, settings, client and flow run context are cached per
+    process. Returns the final state and the run's log lines (JSON), which the driver posts
+    (logs.forward_task_logs)."""
     prefect_context = worker_context(context)
     adopt_flow_settings(prefect_context.settings)
     route_events(prefect_context.settings)
     tag_child_tasks()
+    task = worker_task(task)
     parameters = visit_collection(
         parameters,
         visit_fn=lambda x: ray.get(x) if isinstance(x, ray.ObjectRef) else x,
@@ -98,11 +100,14 @@ def run_on_ray(
         logs = TaskRunLogs(prefect_context.settings)
         try:
             if task.isasync:
-                return prefect_context.run_async(lambda: run_async(kwargs))
-            lost_attempts = attempt if attempt > 0 and task_run is None else 0
-            return run_sync(kwargs, lost_attempts)
-        finally:
-            logs.send()
+                state = prefect_context.run_async(lambda: run_async(kwargs))
+            else:
+                lost_attempts = attempt if attempt > 0 and task_run is None else 0
+                state = run_sync(kwargs, lost_attempts)
+        except BaseException:
+            logs.send()  # nothing goes back to the driver: post them from here
+            raise
+        return state, logs.taken()
 
 
 def continue_after_crash(
