@@ -48,15 +48,24 @@ class WorkerNode:
         raise LookupError(f"no raylet under pid {self.process.pid}; see {self.log_file}")
 
 
-def alive_nodes(dashboard_url: str, token: str) -> list[dict]:
-    """The cluster's alive nodes, from the head's state API."""
+def _state_api(dashboard_url: str, token: str, query: str) -> list[dict]:
     request = urllib.request.Request(
-        f"{dashboard_url}/api/v0/nodes?limit=1000&detail=true",
-        headers={"Authorization": f"Bearer {token}"},
+        f"{dashboard_url}/api/v0/{query}", headers={"Authorization": f"Bearer {token}"}
     )
     with urllib.request.urlopen(request, timeout=10) as response:
-        nodes = json.loads(response.read())["data"]["result"]["result"]
+        return json.loads(response.read())["data"]["result"]["result"]
+
+
+def alive_nodes(dashboard_url: str, token: str) -> list[dict]:
+    """The cluster's alive nodes, from the head's state API."""
+    nodes = _state_api(dashboard_url, token, "nodes?limit=1000&detail=true")
     return [node for node in nodes if node["state"] == "ALIVE"]
+
+
+def alive_actors(dashboard_url: str, token: str, class_name: str) -> list[dict]:
+    """The cluster's alive actors of one class (with pid and node_id), from the state API."""
+    query = f"actors?limit=1000&detail=true&filter_keys=class_name&filter_predicates=%3D&filter_values={class_name}"
+    return [a for a in _state_api(dashboard_url, token, query) if a["state"] == "ALIVE"]
 
 
 @contextlib.contextmanager
