@@ -3,7 +3,7 @@ checkpoints, resumes and what each cost, preemptions, eval losses, the chart."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -108,4 +108,3 @@ class FineTuneOutcome(BaseModel):
     chart_path: str | None = Field(description="The loss chart (PNG) on this machine.")
     train_s: float = Field(description="Seconds in Ray Train's fit().")
     use_gpu: bool = Field(description="Whether the workers trained on GPUs.")
-    summary: dict[str, Any] = Field(default_factory=dict, description="Figures for people.")

@@ -59,6 +59,7 @@ class ProgressWatch:
         self.location, self.total = history_location, total_steps
         self.stop = threading.Event()
         self.artifact_id: Any = None
+        self.shown = -1
         self.thread = threading.Thread(
             target=contextvars.copy_context().run, args=(self._watch,), daemon=True
         )
@@ -70,22 +71,25 @@ class ProgressWatch:
     def __exit__(self, *exc_info: object) -> None:
         self.stop.set()
         self.thread.join(timeout=30)
+        self._poll()  # where the run ended
 
     def _watch(self) -> None:
-        shown = -1
         while not self.stop.wait(PROGRESS_POLL_S):
-            try:
-                steps = [r for r in read_history(self.location) if "step" in r]
-            except (OSError, ValueError):  # not written yet, or being written
-                continue
-            if not steps or steps[-1]["step"] == shown:
-                continue
-            shown = steps[-1]["step"]
-            loss = steps[-1].get("loss")
-            description = f"step {shown} of {self.total}" + (
-                f", train loss {loss:.3f}" if loss is not None else ""
-            )
-            _guarded("progress", self._show, 100.0 * shown / self.total, description)
+            self._poll()
+
+    def _poll(self) -> None:
+        try:
+            steps = [r for r in read_history(self.location) if "step" in r]
+        except (OSError, ValueError):  # not written yet, or being written
+            return
+        if not steps or steps[-1]["step"] == self.shown:
+            return
+        self.shown = steps[-1]["step"]
+        loss = steps[-1].get("loss")
+        description = f"step {self.shown} of {self.total}" + (
+            f", train loss {loss:.3f}" if loss is not None else ""
+        )
+        _guarded("progress", self._show, 100.0 * self.shown / self.total, description)
 
     def _show(self, share: float, description: str) -> None:
         if self.artifact_id is None:

@@ -9,7 +9,9 @@ pins it there, with no CPU) and writes the history the progress thread reads."""
 
 from __future__ import annotations
 
+import gc
 import time
+from dataclasses import dataclass
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -44,7 +46,7 @@ from prefect_ray_lifecycle.workloads.llm.train.settings import CHECKPOINT_METRIC
 from prefect_ray_lifecycle.workloads.llm.train.trainer import (
     RUN_NAME,
     build_trainer,
-    fit,
+    job_env_vars,
     tokenized_split,
 )
 
@@ -117,6 +119,49 @@ def _checkpoints(summary: HistorySummary, kept: set[str]) -> list[CheckpointReco
     ]
 
 
+@dataclass(frozen=True)
+class _Fitted:
+    """What the run left, as plain data: no Ray object outlives the connection (a reference
+    dropped after Ray stopped would end this process)."""
+
+    use_gpu: bool
+    train_s: float
+    failure: str | None = None
+    best: str | None = None  # as its experiment names it (a path, or a path on the URI)
+    best_local: str | None = None
+    latest: str | None = None
+    kept: frozenset[str] = frozenset()
+
+
+def _train(plan: FineTunePlan, train_path: str, eval_path: str) -> _Fitted:
+    """Tokenize, fit and pick the best checkpoint, on the connected cluster."""
+    use_gpu = _preflight(plan)
+    spec = plan.spec.model_copy(update={"use_gpu": use_gpu})
+    trainer = build_trainer(
+        spec,
+        _datasets(plan, train_path, eval_path),
+        plan.resources,
+        plan.failures,
+        plan.storage_path,
+        plan.history_location,
+    )
+    started = time.monotonic()
+    with ProgressWatch(plan.history_location, spec.training.total_steps):
+        try:
+            result = trainer.fit()
+        except Exception as error:  # Ray Train's TrainingFailedError, after its retries
+            return _Fitted(use_gpu, time.monotonic() - started, failure=str(error))
+    best = result.get_best_checkpoint(CHECKPOINT_METRIC, "min") or result.checkpoint
+    return _Fitted(
+        use_gpu,
+        time.monotonic() - started,
+        best=run_storage.checkpoint_location(best, plan.experiment_path),
+        best_local=run_storage.local_checkpoint(best, plan.flow_run_id, RUN_NAME),
+        latest=result.checkpoint.path if result.checkpoint else None,
+        kept=frozenset(checkpoint.path for checkpoint, _ in result.best_checkpoints),
+    )
+
+
 @task(name="run-llm-finetune", cache_policy=NO_CACHE)  # a fine-tune is never reused by inputs
 def run_finetune(
     plan: FineTunePlan, train_path: str, eval_path: str, cluster: RayCluster
@@ -124,62 +169,53 @@ def run_finetune(
     """Fine-tune on the cluster (see the module's docstring); resumes the flow run's own run."""
     resumed = bool(read_history(plan.history_location))
     flow_run_id = plan.flow_run_id
+    env = cluster.runtime_env.get("env_vars", {})
+    cluster = cluster.model_copy(
+        update={
+            "runtime_env": {
+                **cluster.runtime_env,
+                "env_vars": {**job_env_vars(plan.failures), **env},
+            }
+        }
+    )
     with cluster.connect(
         job_config=job_config(flow_run_id) if flow_run_id else None, stop_in_background=True
     ) as ray_context:
         if flow_run_id:  # the run's id in the job's metadata, the job on the run
             link_flow_run(flow_run_id, cluster, ray_context)
-        use_gpu = _preflight(plan)
-        spec = plan.spec.model_copy(update={"use_gpu": use_gpu})
-        trainer = build_trainer(
-            spec,
-            _datasets(plan, train_path, eval_path),
-            plan.resources,
-            plan.failures,
-            plan.storage_path,
-            plan.history_location,
-        )
-        started = time.monotonic()
-        failure: Exception | None = None
-        with ProgressWatch(plan.history_location, spec.training.total_steps):
-            try:
-                result = fit(trainer, plan.failures)
-            except Exception as error:  # Ray Train's TrainingFailedError, after its retries
-                failure = error
-        train_s = time.monotonic() - started
-        records = read_history(plan.history_location)
-        training = spec.training
-        summary = summarize(
-            records, training.micro_batch_size * training.grad_accum_steps * plan.resources.workers
-        )
-        chart_path, png = _chart(plan, records, summary)
-        if failure is not None:
-            publish_chart(png, f"The fine-tune failed: {failure}", plan.chart_location)
-            raise RuntimeError(f"the fine-tune failed: {failure}") from failure
-        best = result.get_best_checkpoint(CHECKPOINT_METRIC, "min") or result.checkpoint
-        kept = {checkpoint.path for checkpoint, _ in result.best_checkpoints}
-        outcome = FineTuneOutcome(
-            experiment_path=plan.experiment_path,
-            best_checkpoint=run_storage.checkpoint_location(best, plan.experiment_path),
-            best_checkpoint_local=run_storage.local_checkpoint(best, flow_run_id, RUN_NAME),
-            latest_checkpoint=result.checkpoint.path if result.checkpoint else None,
-            steps=summary.steps,
-            tokens_seen=summary.tokens_seen,
-            tokens_per_s=summary.tokens_per_s,
-            base_eval_loss=summary.base_eval_loss,
-            best_eval_loss=min(
-                (c["eval_loss"] for c in summary.checkpoints if c["path"] in kept),
-                default=summary.best_eval_loss,
-            ),
-            final_eval_loss=summary.final_eval_loss,
-            resumed=resumed,
-            resumes=[ResumeRecord(**vars(r)) for r in summary.resumes],
-            preemptions=[PreemptionRecord(**p) for p in summary.preemptions],
-            checkpoints=_checkpoints(summary, kept),
-            history_location=plan.history_location,
-            chart_path=str(chart_path) if chart_path else None,
-            train_s=train_s,
-            use_gpu=use_gpu,
-        )
+        fitted = _train(plan, train_path, eval_path)
+        gc.collect()  # the run's datasets and their object refs go while Ray is up
+    records = read_history(plan.history_location)
+    training = plan.spec.training
+    summary = summarize(
+        records, training.micro_batch_size * training.grad_accum_steps * plan.resources.workers
+    )
+    chart_path, png = _chart(plan, records, summary)
+    if fitted.failure is not None:
+        publish_chart(png, f"The fine-tune failed: {fitted.failure}", plan.chart_location)
+        raise RuntimeError(f"the fine-tune failed: {fitted.failure}")
+    outcome = FineTuneOutcome(
+        experiment_path=plan.experiment_path,
+        best_checkpoint=fitted.best,
+        best_checkpoint_local=fitted.best_local,
+        latest_checkpoint=fitted.latest,
+        steps=summary.steps,
+        tokens_seen=summary.tokens_seen,
+        tokens_per_s=summary.tokens_per_s,
+        base_eval_loss=summary.base_eval_loss,
+        best_eval_loss=min(
+            (c["eval_loss"] for c in summary.checkpoints if c["path"] in fitted.kept),
+            default=summary.best_eval_loss,
+        ),
+        final_eval_loss=summary.final_eval_loss,
+        resumed=resumed,
+        resumes=[ResumeRecord(**vars(r)) for r in summary.resumes],
+        preemptions=[PreemptionRecord(**p) for p in summary.preemptions],
+        checkpoints=_checkpoints(summary, set(fitted.kept)),
+        history_location=plan.history_location,
+        chart_path=str(chart_path) if chart_path else None,
+        train_s=fitted.train_s,
+        use_gpu=fitted.use_gpu,
+    )
     publish_outcome(outcome, plan.base_label, png)
     return outcome

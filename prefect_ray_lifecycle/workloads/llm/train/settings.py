@@ -183,6 +183,13 @@ class FailureSettings(BaseModel):
         description="How often the Train controller polls its workers. Each worker holds one "
         "unread report, so a loop that reports every step runs no faster than this.",
     )
+    process_group_shutdown_s: int = Field(
+        default=5,
+        ge=1,
+        description="How long a restart waits for the workers to leave their torch process "
+        "group (Ray's default: 30 s); a worker stuck in a collective with a dead peer never "
+        "does, so a restart after a lost worker waits this long.",
+    )
 
 
 class CorpusSettings(BaseModel):

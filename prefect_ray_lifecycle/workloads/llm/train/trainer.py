@@ -8,9 +8,6 @@ into the object store."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from typing import Any
 
 from prefect_ray_lifecycle.compat import ray_internals
@@ -23,43 +20,39 @@ from prefect_ray_lifecycle.workloads.llm.train.settings import (
     ResourceSettings,
     TrainSpec,
 )
-from prefect_ray_lifecycle.workloads.llm.train.tokenize import pack_batch
+from prefect_ray_lifecycle.workloads.llm.train.tokenize import PATH, pack_files
 
-__all__ = ["RUN_NAME", "build_trainer", "fit", "tokenized_split"]
+__all__ = ["RUN_NAME", "build_trainer", "job_env_vars", "tokenized_split"]
 
 # The Ray Train run's folder name under the flow run's storage folder.
 RUN_NAME = "finetune"
 
 
 def tokenized_split(folder: str, spec: TrainSpec, resources: ResourceSettings):
-    """A lazy Ray Dataset of {input_ids, block_id} blocks from a split's parquet files. At
-    most `resources.tokenize_tasks` read and tokenize tasks run at once, each reserving
-    `resources.tokenize_cpus` (a read task asks for a whole CPU unless told), so they run
-    beside workers that hold their CPUs for the whole run."""
+    """A lazy Ray Dataset of {input_ids, block_id} blocks from a split's parquet files: one
+    map_batches task per file (tokenize.pack_files), at most `resources.tokenize_tasks` at
+    once, each reserving `resources.tokenize_cpus`, so they run beside workers that hold their
+    CPUs for the whole run."""
     import ray.data
 
     filesystem, path = filesystem_and_path(folder)
     files = sorted(i.path for i in data_files(filesystem, path) if i.path.endswith(".parquet"))
     if not files:
         raise ValueError(f"{folder} holds no parquet files")
-    dataset = ray.data.read_parquet(
-        files,
-        filesystem=filesystem,
-        columns=spec.text_columns,
-        partitioning=None,
-        num_cpus=resources.tokenize_cpus,
-        concurrency=resources.tokenize_tasks,
+    dataset = ray.data.from_items(
+        [{PATH: file} for file in files], override_num_blocks=len(files)
     ).map_batches(
-        pack_batch,
-        batch_format="numpy",
-        batch_size=resources.tokenize_batch_rows,
+        pack_files,
+        batch_size=1,
         num_cpus=resources.tokenize_cpus,
         compute=ray.data.TaskPoolStrategy(size=resources.tokenize_tasks),
         fn_kwargs={
+            "folder": folder,
             "base": spec.base.model_dump_json(),
             "seq_len": spec.training.seq_len,
             "layout": spec.layout,
             "columns": spec.text_columns,
+            "chunk_rows": resources.tokenize_batch_rows,
         },
     )
     # Progress bars of every epoch's split would flood the flow run's logs.
@@ -113,24 +106,15 @@ def build_trainer(
     )
 
 
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+def job_env_vars(failures: FailureSettings) -> dict[str, str]:
+    """Environment variables for the Ray job of a fine-tune: its Train controller (which
+    inherits the job's env_vars, merged with its own) reads how often to poll its workers and
+    the drain state, and how long to wait for the torch process group to go on a restart
+    (`ray.train.constants.TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S`, read by TorchConfig's
+    on_shutdown in the controller)."""
+    from ray.train.constants import TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
 
-
-def fit(trainer, failures: FailureSettings):
-    """trainer.fit(), with the controller's poll intervals from `failures` (Ray Train reads
-    them from the driver's environment when the controller starts)."""
-    with _environment(
-        ray_internals.train_controller_env(failures.health_check_s, failures.preemption_poll_s)
-    ):
-        return trainer.fit()
+    return {
+        **ray_internals.train_controller_env(failures.health_check_s, failures.preemption_poll_s),
+        TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S: str(failures.process_group_shutdown_s),
+    }
