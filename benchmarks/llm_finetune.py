@@ -28,8 +28,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -205,32 +203,9 @@ def _wait_for_step(storage: Path, step: int, running) -> None:
         time.sleep(0.2)
 
 
-def _drain(stack, node_id: str, deadline_s: int) -> None:
-    subprocess.run(
-        [
-            str(Path(sys.executable).parent / "ray"),
-            "drain-node",
-            "--address",
-            stack.ray_address,
-            "--node-id",
-            node_id,
-            "--reason",
-            "DRAIN_NODE_REASON_PREEMPTION",
-            "--reason-message",
-            "spot reclaim (benchmark)",
-            "--deadline-remaining-seconds",
-            str(deadline_s),
-        ],
-        env={**os.environ, **stack.client_env()},
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-
-
 def run_flow(stack, node, params, storage: Path, side: str, args) -> tuple[float, Any]:
     """The flow, timed end to end, with the side's disturbance from this thread."""
-    from deployments.worker_node import alive_actors
+    from deployments.worker_node import alive_actors, drain
     from deployments.worker_node import stop as stop_node
     from prefect_ray_lifecycle.flows.llm_finetune import llm_finetune
 
@@ -249,7 +224,7 @@ def run_flow(stack, node, params, storage: Path, side: str, args) -> tuple[float
             os.kill(worker["pid"], signal.SIGKILL)
         elif side == "preempt":
             _wait_for_step(storage, every + every // 2, running)
-            _drain(stack, node.node_id, args.drain_deadline)
+            drain(stack.ray_address, node.node_id, args.drain_deadline, stack.client_env())
             reclaim = threading.Timer(args.drain_deadline + 2, stop_node, (node.process,))
             reclaim.start()
         result = running.result()
@@ -314,8 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     median = {side: statistics.median(values) for side, values in times.items()}
     flows = outcomes["flow"]
 
-    def lost(side: str) -> int:
-        return max(r.lost_steps for o in outcomes[side] for r in o.resumes)
+    def lost(side: str) -> int | None:
+        """The most steps a resume of this side lost (None: no run of it resumed, e.g. the run
+        ended before the drain's deadline)."""
+        return max((r.lost_steps for o in outcomes[side] for r in o.resumes), default=None)
 
     kill_overhead = median["kill"] - median["flow"]
     preempt_overhead = median["preempt"] - median["flow"]
@@ -334,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 "checkpoint_every_steps": args.checkpoint_every,
                 "resume_lost_steps": lost("kill"),
                 "preempt_lost_steps": lost("preempt"),
+                "resumed_runs": {s: sum(bool(o.resumes) for o in outcomes[s]) for s in outcomes},
                 "kill_s": round(median["kill"], 2),
                 "preempt_s": round(median["preempt"], 2),
                 "kill_overhead_s": round(kill_overhead, 2),

@@ -64,7 +64,10 @@ def alive_nodes(dashboard_url: str, token: str) -> list[dict]:
 
 def alive_actors(dashboard_url: str, token: str, class_name: str) -> list[dict]:
     """The cluster's alive actors of one class (with pid and node_id), from the state API."""
-    query = f"actors?limit=1000&detail=true&filter_keys=class_name&filter_predicates=%3D&filter_values={class_name}"
+    query = (
+        "actors?limit=1000&detail=true&filter_keys=class_name&filter_predicates=%3D"
+        f"&filter_values={class_name}"
+    )
     return [a for a in _state_api(dashboard_url, token, query) if a["state"] == "ALIVE"]
 
 
@@ -119,6 +122,25 @@ def join(
         yield WorkerNode(process, temp_dir, joined[0]["node_id"], log_file)
     finally:
         stop(process)
+
+
+PREEMPTION = "DRAIN_NODE_REASON_PREEMPTION"
+
+
+def drain(
+    address: str, node_id: str, deadline_s: int, env: dict[str, str], message: str = "spot reclaim"
+) -> None:
+    """`ray drain-node` with the preemption reason and a deadline: the notice a cloud's Spot
+    reclaim gives through the autoscaler. Ray never kills the node itself; the caller does,
+    after the deadline (stop)."""
+    argv = [str(Path(sys.executable).parent / "ray"), "drain-node", "--address", address]
+    argv += ["--node-id", node_id, "--reason", PREEMPTION, "--reason-message", message]
+    argv += ["--deadline-remaining-seconds", str(deadline_s)]
+    done = subprocess.run(
+        argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=60
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"ray drain-node failed: {done.stdout}{done.stderr}")
 
 
 def stop(process: subprocess.Popen, timeout: float = 15.0) -> None:

@@ -4,8 +4,9 @@ One fine-tune run carries the recovery tests: its flow process runs as a worker 
 (an API-created flow run in a process of its own); a training worker is killed with SIGKILL
 after the first periodic checkpoint; later the second node is drained with the preemption
 reason (a Spot reclaim notice) and taken away once the run has left it; then the flow
-process is killed and the same flow run runs again. Each test reads what that run recorded: its result,
-its history and its checkpoints. Bad inputs fail before any Ray work, naming the field."""
+process is killed and the same flow run runs again. Each test reads what that run recorded:
+its result, its history and its checkpoints. Bad inputs fail before any Ray work, naming the
+field."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from prefect.client.schemas.filters import FlowRunFilter
 from prefect.states import Crashed
 from pydantic import ValidationError
 
-from deployments.worker_node import alive_actors, alive_nodes
+from deployments.worker_node import alive_actors, alive_nodes, drain
 from deployments.worker_node import stop as stop_node
 from prefect_ray_lifecycle.blocks import RayCluster
 from prefect_ray_lifecycle.flows.llm_finetune import FineTuneParams, llm_finetune
@@ -54,9 +54,9 @@ from prefect_ray_lifecycle.workloads.llm.train.settings import (
 )
 from prefect_ray_lifecycle.workloads.llm.train.state import STATE_DIR, read_state
 from prefect_ray_lifecycle.workloads.llm.train.tokenize import block_ids, pack_ids
-from tests import multinode
+from tests import flow_process, multinode
+from tests.schema_checks import undescribed
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT_EVERY = 20
 TOTAL_STEPS = 160
 MICRO_BATCH = 8
@@ -71,9 +71,10 @@ TRAINING = {
 }
 CORPUS_EXAMPLES = 2000
 DRAIN_DEADLINE_S = 12
-# Measured on the disturbed run below (2 CPUs): eval loss 6.95 (the tiny Llama's random
-# weights: ln 1024) -> 1.00 after 160 steps; the floor is the noise words, drawn at random.
-EVAL_LOSS_MARGIN = 5.0
+# Measured on the disturbed run below (2 CPUs, three runs): eval loss 6.95 (the tiny Llama's
+# random weights: ln 1024) -> 0.975-0.992 after 160 steps, a drop of 5.96-5.98; the floor is
+# the noise words, drawn at random. Asserted with room for another machine's arithmetic.
+EVAL_LOSS_MARGIN = 5.5
 
 
 # --- pure pieces ---------------------------------------------------------------------------
@@ -111,7 +112,9 @@ def test_resumes_and_what_each_cost_come_from_the_history():
         {"event": "worker-failure", "ranks": [1], "error": "killed"},
         step(21, "b", resumed_from={"step": 20, "kind": "periodic", "tokens_seen": 2000}),
         *[step(n, "b") for n in range(22, 31)],
-        step(31, "b", preemption={"deadline_ms": 1, "ranks": [1], "nodes": ["n2"]}),
+        step(
+            31, "b", preemption={"deadline_ms": 1, "ranks": [1], "nodes": ["n2"], "detected_at": 0}
+        ),
         step(35, "b", checkpoint_kind="jit", eval_loss=2.0, checkpoint_path="/c/35"),
         step(
             36,
@@ -141,8 +144,8 @@ def test_resumes_and_what_each_cost_come_from_the_history():
         1.2,
         1.2,
     )
-    assert [c["kind"] for c in summary.checkpoints] == ["jit", "periodic", "final"]
-    assert summary.preemptions[0]["nodes"] == ["n2"] and summary.steps == 50
+    assert [c.kind for c in summary.checkpoints] == ["jit", "periodic", "final"]
+    assert summary.preemptions[0].nodes == ["n2"] and summary.steps == 50
 
 
 def test_the_corpus_is_templated_the_same_for_a_seed_and_held_out_prompts_are_new(tmp_path):
@@ -258,15 +261,7 @@ def test_the_loss_chart_marks_base_checkpoints_preemption_resumes_and_lost_steps
 
 
 def test_every_flow_parameter_and_setting_is_described_for_the_ui():
-    schema = llm_finetune.parameters.model_dump()
-    undescribed = [n for n, p in schema["properties"].items() if not p.get("description")]
-    undescribed += [
-        f"{model}.{name}"
-        for model, definition in schema["definitions"].items()
-        for name, prop in definition.get("properties", {}).items()
-        if not prop.get("description")
-    ]
-    assert undescribed == []
+    assert undescribed(llm_finetune) == []
 
 
 # --- against the session's services --------------------------------------------------------
@@ -340,40 +335,13 @@ def test_bad_inputs_fail_naming_the_field_before_any_ray_work(
     assert not (tmp_path / "prepared").exists() and not (tmp_path / "runs").exists()
 
 
-RUN_EXISTING_FLOW_RUN = """
-import json, sys
-from prefect.client.orchestration import get_client
-from prefect.flow_engine import run_flow
-from prefect_ray_lifecycle.blocks import RayCluster
-from prefect_ray_lifecycle.flows.llm_finetune import llm_finetune
-
-flow_run_id, address, token, parameters = sys.argv[1:]
-with get_client(sync_client=True) as client:
-    flow_run = client.read_flow_run(flow_run_id)
-parameters = json.loads(parameters)
-parameters["ray_cluster"] = RayCluster(address=address, auth_token=token)
-print(run_flow(llm_finetune, flow_run=flow_run, parameters=parameters).model_dump_json())
-"""
-
-
 def start_flow_run(stack, flow_run_id, parameters: dict, script: Path) -> subprocess.Popen:
-    """The flow run in a process of its own, as a worker runs it (its own process group)."""
-    script.write_text(RUN_EXISTING_FLOW_RUN)
-    return subprocess.Popen(
-        [
-            sys.executable,
-            str(script),
-            str(flow_run_id),
-            stack.ray_address,
-            stack.ray_token,
-            json.dumps(parameters),
-        ],
-        cwd=PROJECT_ROOT,
-        env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    return flow_process.start_flow_run(
+        stack,
+        "prefect_ray_lifecycle.flows.llm_finetune:llm_finetune",
+        flow_run_id,
+        parameters,
+        script,
     )
 
 
@@ -431,31 +399,6 @@ def wait_for(
         time.sleep(0.3)
 
 
-def drain(stack, node_id: str, deadline_s: int) -> None:
-    """`ray drain-node` with the preemption reason: what a Spot reclaim notice does."""
-    done = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "ray"),
-            "drain-node",
-            "--address",
-            stack.ray_address,
-            "--node-id",
-            node_id,
-            "--reason",
-            "DRAIN_NODE_REASON_PREEMPTION",
-            "--reason-message",
-            "spot instance reclaimed (test)",
-            "--deadline-remaining-seconds",
-            str(deadline_s),
-        ],
-        env={**os.environ, **stack.client_env()},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
 @pytest.fixture(scope="module")
 def disturbed(stack, prefect_client, tiny_base, source, tmp_path_factory):
     """The run the recovery tests read (see the module's docstring): what it returned, its
@@ -505,7 +448,7 @@ def disturbed(stack, prefect_client, tiny_base, source, tmp_path_factory):
             states,
         )
         seen["nodes_after_kill"] = attempts(records)[-1][0]["worker_nodes"]
-        drain(stack, node.node_id, DRAIN_DEADLINE_S)
+        drain(stack.ray_address, node.node_id, DRAIN_DEADLINE_S, stack.client_env(), "test")
         drained_at = time.time()
         seen["drained_after"] = last_step(records)
         wait_for(

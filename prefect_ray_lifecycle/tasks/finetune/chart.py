@@ -44,6 +44,21 @@ def _short(text: str, width: int = 12) -> str:
     return text if len(text) <= width else text[:width] + "…"
 
 
+def _mark(axes, x, color, style, label, gid, text, top: bool) -> None:
+    """A vertical line at `x` with its text along it, at the top or the bottom."""
+    axes.axvline(x, color=color, linestyle=style, linewidth=1.4, label=label, gid=gid)
+    axes.annotate(
+        text,
+        (x, 1.0 if top else 0.02),
+        xycoords=("data", "axes fraction"),
+        rotation=90,
+        va="top" if top else "bottom",
+        ha="right" if top else "left",
+        fontsize=7,
+        color=color,
+    )
+
+
 def draw_finetune(
     records: Sequence[dict[str, Any]], summary: HistorySummary, title: str = "Fine-tune"
 ) -> Figure:
@@ -104,11 +119,11 @@ def draw_finetune(
             gid="base",
         )
     for kind, (marker, color, label) in CHECKPOINT_MARKERS.items():
-        marks = [c for c in summary.checkpoints if c["kind"] == kind and c["eval_loss"]]
+        marks = [c for c in summary.checkpoints if c.kind == kind and c.eval_loss]
         if marks:
             axes.plot(
-                [c["tokens_seen"] for c in marks],
-                [c["eval_loss"] for c in marks],
+                [c.tokens_seen for c in marks],
+                [c.eval_loss for c in marks],
                 marker=marker,
                 markersize=12 if kind == "jit" else 8,
                 markeredgecolor="black",
@@ -119,50 +134,33 @@ def draw_finetune(
                 gid=f"checkpoint:{kind}",
             )
     for number, notice in enumerate(summary.preemptions):
-        deadline = notice.get("deadline_ms")
         warning = (
-            f"{deadline / 1000 - notice['detected_at']:.0f} s warning"
-            if deadline
+            f"{notice.deadline_ms / 1000 - notice.detected_at:.0f} s warning"
+            if notice.deadline_ms
             else "no deadline"
         )
-        axes.axvline(
-            notice["tokens_seen"],
-            color="tab:red",
-            linestyle="--",
-            linewidth=1.2,
-            label=f"preemption notice ({warning})" if number == 0 else None,
-            gid=f"preemption:{number}",
-        )
-        axes.annotate(
-            f"drain: {', '.join(_short(n) for n in notice['nodes'])}",
-            (notice["tokens_seen"], 1.0),
-            xycoords=("data", "axes fraction"),
-            rotation=90,
-            va="top",
-            ha="right",
-            fontsize=7,
-            color="tab:red",
+        _mark(
+            axes,
+            notice.tokens_seen,
+            "tab:red",
+            "--",
+            f"preemption notice ({warning})" if number == 0 else None,
+            f"preemption:{number}",
+            f"drain: {', '.join(_short(n) for n in notice.nodes)}",
+            top=True,
         )
     for number, resume in enumerate(summary.resumes):
-        axes.axvline(
+        _mark(
+            axes,
             resume.tokens_seen,
-            color="tab:purple",
-            linestyle=":",
-            linewidth=1.6,
-            label="resume" if number == 0 else None,
-            gid=f"resume:{number}",
-        )
-        axes.annotate(
+            "tab:purple",
+            ":",
+            "resume" if number == 0 else None,
+            f"resume:{number}",
             f"{resume.kind}: resumed at step {resume.from_step} "
             f"({resume.checkpoint_kind or 'base'}), lost {resume.lost_steps} steps, "
             f"{resume.repeated_blocks} blocks seen twice",
-            (resume.tokens_seen, 0.02),
-            xycoords=("data", "axes fraction"),
-            rotation=90,
-            va="bottom",
-            ha="left",
-            fontsize=7,
-            color="tab:purple",
+            top=False,
         )
     axes.set_xlabel("tokens seen")
     axes.set_ylabel("loss (nats per token)")

@@ -22,12 +22,9 @@ from prefect_ray_lifecycle.ray_runner.lineage import job_config, link_flow_run
 from prefect_ray_lifecycle.tasks.charts import save_png
 from prefect_ray_lifecycle.tasks.finetune.chart import draw_finetune
 from prefect_ray_lifecycle.tasks.finetune.config import (
-    CheckpointRecord,
     FineTuneInputError,
     FineTuneOutcome,
     FineTunePlan,
-    PreemptionRecord,
-    ResumeRecord,
 )
 from prefect_ray_lifecycle.tasks.finetune.plan import CHART_FILE
 from prefect_ray_lifecycle.tasks.finetune.report import (
@@ -69,13 +66,22 @@ def _preflight(plan: FineTunePlan) -> bool:
 
 def _datasets(plan: FineTunePlan, train_path: str, eval_path: str) -> dict:
     train = tokenized_split(train_path, plan.spec, plan.resources)
+    training = plan.spec.training
     if plan.tokenized == "object_store":
         train = train.materialize()
+        step_blocks = training.micro_batch_size * plan.resources.workers
+        if (blocks := train.count()) < step_blocks:
+            raise FineTuneInputError(
+                f"the train split ({train_path}) holds {blocks} blocks of training.seq_len "
+                f"{training.seq_len} tokens, fewer than one step takes (training."
+                f"micro_batch_size {training.micro_batch_size} x resources.workers "
+                f"{plan.resources.workers})"
+            )
     held_out = tokenized_split(eval_path, plan.spec, plan.resources).materialize()
     if held_out.count() == 0:
         raise FineTuneInputError(
             f"the eval split ({eval_path}) holds no block of training.seq_len "
-            f"{plan.spec.training.seq_len} tokens: raise data.eval_fraction or lower seq_len"
+            f"{training.seq_len} tokens: raise data.eval_fraction or lower seq_len"
         )
     return {TRAIN_DATASET: train, EVAL_DATASET: held_out}
 
@@ -103,20 +109,6 @@ def _chart(plan: FineTunePlan, records: list[dict], summary: HistorySummary):
     except Exception as error:  # a chart reports the run; it never fails it
         get_run_logger().warning("could not draw the fine-tune's chart: %r", error)
         return None, None
-
-
-def _checkpoints(summary: HistorySummary, kept: set[str]) -> list[CheckpointRecord]:
-    return [
-        CheckpointRecord(
-            step=c["step"],
-            tokens_seen=c["tokens_seen"],
-            kind=c["kind"],
-            eval_loss=c["eval_loss"],
-            path=c["path"],
-            kept=c["path"] in kept,
-        )
-        for c in summary.checkpoints
-    ]
 
 
 @dataclass(frozen=True)
@@ -204,14 +196,16 @@ def run_finetune(
         tokens_per_s=summary.tokens_per_s,
         base_eval_loss=summary.base_eval_loss,
         best_eval_loss=min(
-            (c["eval_loss"] for c in summary.checkpoints if c["path"] in fitted.kept),
+            (c.eval_loss for c in summary.checkpoints if c.path in fitted.kept),
             default=summary.best_eval_loss,
         ),
         final_eval_loss=summary.final_eval_loss,
         resumed=resumed,
-        resumes=[ResumeRecord(**vars(r)) for r in summary.resumes],
-        preemptions=[PreemptionRecord(**p) for p in summary.preemptions],
-        checkpoints=_checkpoints(summary, set(fitted.kept)),
+        resumes=summary.resumes,
+        preemptions=summary.preemptions,
+        checkpoints=[
+            c.model_copy(update={"kept": c.path in fitted.kept}) for c in summary.checkpoints
+        ],
         history_location=plan.history_location,
         chart_path=str(chart_path) if chart_path else None,
         train_s=fitted.train_s,

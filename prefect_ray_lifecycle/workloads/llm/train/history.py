@@ -18,11 +18,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import BaseModel, Field
+
 __all__ = [
     "CONTROLLER_START",
     "HISTORY_FILE",
     "WORKER_FAILURE",
+    "CheckpointMark",
     "HistorySummary",
+    "Preemption",
     "Resume",
     "ResumeKind",
     "read_history",
@@ -37,19 +41,46 @@ WORKER_FAILURE = "worker-failure"
 ResumeKind = Literal["preemption", "worker failure", "flow re-run"]
 
 
-@dataclass(frozen=True)
-class Resume:
+class Resume(BaseModel):
     """One restart of the training loop, and what it cost."""
 
-    kind: ResumeKind
-    from_step: int  # the step of the checkpoint it resumed from (0: from the base)
-    reached_step: int  # the last step the interrupted attempt finished
-    checkpoint_kind: str  # of the checkpoint it resumed from ("" from the base)
-    tokens_seen: int  # at the resume point
-    lost_steps: int  # steps trained again: reached_step - from_step
-    replayed_blocks: int  # blocks of those lost steps, trained again
-    reread_blocks: int  # blocks read again to reach the resume point in its epoch, skipped
-    repeated_blocks: int  # blocks the resumed run trained twice in one epoch
+    kind: ResumeKind = Field(description="'preemption', 'worker failure' or 'flow re-run'.")
+    from_step: int = Field(description="The step of the checkpoint it resumed from (0: base).")
+    reached_step: int = Field(description="The last step the interrupted attempt finished.")
+    checkpoint_kind: str = Field(description="Kind of that checkpoint ('' for the base).")
+    tokens_seen: int = Field(description="Tokens trained on at the resume point.")
+    lost_steps: int = Field(description="Steps trained again: reached_step - from_step.")
+    replayed_blocks: int = Field(description="Blocks of the lost steps, trained again.")
+    reread_blocks: int = Field(
+        description="Blocks read again to get back to the resume point in its epoch (Ray Data "
+        "cannot checkpoint an iterator) and skipped."
+    )
+    repeated_blocks: int = Field(
+        description="Blocks the resumed run trained on twice within one epoch: the re-read "
+        "epoch handed blocks to workers anew."
+    )
+
+
+class Preemption(BaseModel):
+    """A preemption notice, as the training loop first saw it."""
+
+    step: int = Field(description="The first step that saw the notice.")
+    tokens_seen: int = Field(description="Tokens trained on then.")
+    deadline_ms: int | None = Field(description="When the node goes (UNIX ms), as drained.")
+    nodes: list[str] = Field(description="The preempted nodes.")
+    ranks: list[int] = Field(description="The worker ranks on them.")
+    detected_at: float = Field(description="When the loop saw it (UNIX seconds).")
+
+
+class CheckpointMark(BaseModel):
+    """A checkpoint the run took."""
+
+    step: int = Field(description="The optimizer step it holds.")
+    tokens_seen: int = Field(description="Tokens trained on when it was taken.")
+    kind: str = Field(description="'periodic', 'jit' (before a preemption) or 'final'.")
+    eval_loss: float | None = Field(description="Held-out eval loss of its weights.")
+    path: str | None = Field(description="Where it was written (a path, or a path on the URI).")
+    kept: bool = Field(default=False, description="Still in storage (the N best and the latest).")
 
 
 @dataclass(frozen=True)
@@ -61,8 +92,8 @@ class HistorySummary:
     best_eval_loss: float | None
     tokens_per_s: float | None  # median over steps
     resumes: list[Resume] = field(default_factory=list)
-    preemptions: list[dict[str, Any]] = field(default_factory=list)
-    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    preemptions: list[Preemption] = field(default_factory=list)
+    checkpoints: list[CheckpointMark] = field(default_factory=list)
 
 
 def read_history(location: str) -> list[dict[str, Any]]:
@@ -161,18 +192,18 @@ def summarize(records: list[dict[str, Any]], blocks_per_step: int) -> HistorySum
         tokens_per_s=_median([float(r["tokens_per_s"]) for r in steps if r.get("tokens_per_s")]),
         resumes=resumes,
         preemptions=[
-            {"step": r["step"], "tokens_seen": r["tokens_seen"], **r["preemption"]}
+            Preemption(step=r["step"], tokens_seen=r["tokens_seen"], **r["preemption"])
             for r in steps
             if "preemption" in r
         ],
         checkpoints=[
-            {
-                "step": r["step"],
-                "tokens_seen": r["tokens_seen"],
-                "kind": r["checkpoint_kind"],
-                "eval_loss": r.get("eval_loss"),
-                "path": r.get("checkpoint_path"),
-            }
+            CheckpointMark(
+                step=r["step"],
+                tokens_seen=r["tokens_seen"],
+                kind=r["checkpoint_kind"],
+                eval_loss=r.get("eval_loss"),
+                path=r.get("checkpoint_path"),
+            )
             for r in steps
             if r.get("checkpoint_kind")
         ],
