@@ -237,9 +237,9 @@ def run_flow(stack, node, params, storage: Path, side: str, args) -> tuple[float
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of all four sides (>= 3)")
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps per run")
     parser.add_argument("--accum", type=int, default=2, help="micro-batches per step")
-    parser.add_argument("--checkpoint-every", type=int, default=50)
+    parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--examples", type=int, default=3000, help="corpus rows")
     parser.add_argument("--drain-deadline", type=int, default=15, help="seconds of warning")
     parser.add_argument("--head-cpus", type=int, default=4)
