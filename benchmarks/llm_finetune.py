@@ -8,8 +8,9 @@ run, a fresh second node (deployments.worker_node): the two workers are spread o
 tiny Llama. Each round runs four sides, the order rotating round by round so that drift in
 the machine's load falls on all of them: `raw` (the plain script: Ray Data reads and
 tokenizes the prepared parquet into the object store with the flow's own pipeline, a
-TorchTrainer trains with AdamW, the same schedule, a report per step and a checkpoint every
-N steps, with eval loss, keeping the best two), `flow` (llm-finetune,
+TorchTrainer trains with AdamW, the same schedule, the base's eval loss, a report per step
+(asynchronous, as the flow's) and a checkpoint every N steps with its eval loss, keeping the
+best two), `flow` (llm-finetune,
 undisturbed), `kill` (a worker killed half way between two periodic checkpoints) and
 `preempt` (the second node drained with DRAIN_NODE_REASON_PREEMPTION and a deadline, and
 stopped once it passed). Medians over the rounds; overheads are each disturbed flow against
@@ -80,7 +81,13 @@ def raw_loop(config: dict[str, Any]) -> None:
         torch.distributed.all_reduce(sums)
         return (sums[0] / sums[1]).item()
 
+    def report(metrics: dict) -> None:
+        # Asynchronous, as the flow's loop: a synchronous report waits for the controller to
+        # read the previous one (one slot per worker, read once per poll).
+        ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+
     stream = batches()
+    report({"step": 0, "eval_loss": evaluate()})  # the base, as the flow measures it
     for step in range(1, config["steps"] + 1):
         for micro in range(config["accum"]):
             ids = next(stream)["input_ids"]
@@ -94,7 +101,7 @@ def raw_loop(config: dict[str, Any]) -> None:
         optimizer.zero_grad()
         metrics = {"step": step, "loss": loss.item()}
         if step % config["checkpoint_every"] and step != config["steps"]:
-            ray.train.report(metrics)
+            report(metrics)
             continue
         metrics["eval_loss"] = evaluate()
         with scratch.TemporaryDirectory() as folder:

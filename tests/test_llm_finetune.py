@@ -33,9 +33,20 @@ from prefect_ray_lifecycle.blocks import RayCluster
 from prefect_ray_lifecycle.flows.llm_finetune import FineTuneParams, llm_finetune
 from prefect_ray_lifecycle.tasks.finetune.chart import draw_finetune
 from prefect_ray_lifecycle.tasks.finetune.config import FineTuneInputError
-from prefect_ray_lifecycle.tasks.finetune.plan import split_problem
+from prefect_ray_lifecycle.tasks.finetune.plan import (
+    TINY_BASE,
+    default_base,
+    plan_finetune,
+    split_problem,
+)
 from prefect_ray_lifecycle.workloads.llm import corpus
-from prefect_ray_lifecycle.workloads.llm.models import causal_lm_problem, context_problem
+from prefect_ray_lifecycle.workloads.llm.models import (
+    MODEL_CACHE_ENV,
+    ModelLocation,
+    causal_lm_problem,
+    context_problem,
+    local_model,
+)
 from prefect_ray_lifecycle.workloads.llm.tiny import build_tiny_llm
 from prefect_ray_lifecycle.workloads.llm.train.history import (
     CONTROLLER_START,
@@ -46,9 +57,11 @@ from prefect_ray_lifecycle.workloads.llm.train.preemption import (
     effective_deadline_s,
     jit_verdict,
 )
+from prefect_ray_lifecycle.workloads.llm.train.recorder import HistoryRecorder
 from prefect_ray_lifecycle.workloads.llm.train.schedule import WarmupCosine
 from prefect_ray_lifecycle.workloads.llm.train.settings import (
     CorpusSettings,
+    FailureSettings,
     ResourceSettings,
     TrainingSettings,
 )
@@ -223,6 +236,91 @@ def test_a_base_must_be_a_causal_lm_with_a_tokenizer_and_the_context_asked_for(t
     assert context_problem(folder, 65) == (
         "65 tokens is over the model's limit of 64 (max_position_embeddings)"
     )
+
+
+def test_the_history_is_appended_on_a_folder_and_rewritten_on_a_uri(tmp_path):
+    for location in (str(tmp_path / "run" / "history.jsonl"), f"file://{tmp_path}/uri/h.jsonl"):
+        recorder = HistoryRecorder(location)
+        recorder.after_report(None, [step(1, "a")], None)
+        recorder.after_report(None, [{}], None)  # another rank's empty report: nothing
+        recorder.after_exception(None, {1: RuntimeError("killed")})
+        recorder.after_exception(None, {1: RuntimeError("killed")})  # seen again: once
+        recorder.after_report(None, [step(2, "b", checkpoint_kind="final")], None)
+        records = read_history(location)
+        assert [r.get("step", r.get("event")) for r in records] == [1, "worker-failure", 2]
+        # A new controller (a flow re-run) appends after what the last one wrote.
+        again = HistoryRecorder(location)
+        again.after_report(None, [step(3, "c", resumed_from={"step": 2})], None)
+        assert [r.get("step", r.get("event")) for r in read_history(location)] == [
+            1,
+            "worker-failure",
+            2,
+            CONTROLLER_START,
+            3,
+        ]
+
+
+def test_a_base_on_a_uri_is_fetched_once_per_node(tmp_path, monkeypatch):
+    monkeypatch.setenv(MODEL_CACHE_ENV, str(tmp_path / "cache"))
+    root = tmp_path / "storage"
+    (root / TINY_BASE).mkdir(parents=True)  # where default_base builds the tiny Llama
+    (root / TINY_BASE / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 512})
+    )
+    (root / TINY_BASE / "tokenizer.json").write_text("{}")
+    base = default_base(f"file://{root}")
+    assert base.path == f"file://{root}/{TINY_BASE}"
+    folder = local_model(base)
+    assert folder.is_relative_to(tmp_path / "cache") and causal_lm_problem(folder) is None
+    assert local_model(base) == folder  # the copy is reused
+
+
+def test_an_mlflow_llm_version_is_a_base(stack, tiny_base, source, tmp_path, monkeypatch):
+    """LLM versions are Hugging Face folders registered as MLflow model artifacts: the plan
+    fetches and checks one as it would a folder (workers fetch it the same way, once per
+    node)."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv(MODEL_CACHE_ENV, str(tmp_path / "cache"))
+    client = MlflowClient(tracking_uri=stack.mlflow_uri)
+    name = f"tiny-base-{os.getpid()}"
+    run = client.create_run(client.create_experiment(name))
+    client.log_artifacts(run.info.run_id, str(tiny_base), artifact_path="hf")
+    client.create_registered_model(name)
+    client.create_model_version(name, f"{run.info.artifact_uri}/hf", run_id=run.info.run_id)
+    base = ModelLocation(
+        mlflow={"tracking_uri": stack.mlflow_uri, "model_name": name, "version": "1"}
+    )
+    plan = plan_finetune.fn(
+        str(source),
+        None,
+        ["id"],
+        CorpusSettings(),
+        base,
+        TrainingSettings(),
+        ResourceSettings(),
+        FailureSettings(),
+        str(tmp_path / "runs"),
+        "run-1",
+    )
+    assert plan.base_label == f"MLflow model {name} version 1"
+    assert plan.spec.base == base and plan.spec.layout == "prompt_completion"
+    assert plan.required_columns == ["completion", "id", "prompt"]
+    assert plan.experiment_path == str(tmp_path / "runs" / "run-1" / "finetune")
+    assert (local_model(base) / "config.json").is_file()
+    with pytest.raises(FineTuneInputError, match=r"training.seq_len: 4096 tokens is over"):
+        plan_finetune.fn(
+            str(source),
+            None,
+            [],
+            CorpusSettings(),
+            base,
+            TrainingSettings(seq_len=4096),
+            ResourceSettings(),
+            FailureSettings(),
+            str(tmp_path / "runs"),
+            None,
+        )
 
 
 def synthetic_history() -> list[dict]:
