@@ -54,7 +54,13 @@ def default_base(storage_root: str) -> ModelLocation:
     if filesystem.get_file_info(f"{path}/config.json").type == pyarrow.fs.FileType.NotFound:
         with tempfile.TemporaryDirectory(prefix="tiny-llama-") as scratch:
             built = build_tiny_llm(Path(scratch) / "model")
-            pyarrow.fs.copy_files(str(built), path, destination_filesystem=filesystem)
+            filesystem.create_dir(path, recursive=True)
+            pyarrow.fs.copy_files(
+                str(built),
+                path,
+                source_filesystem=pyarrow.fs.LocalFileSystem(),
+                destination_filesystem=filesystem,
+            )
     return ModelLocation(path=uri)
 
 

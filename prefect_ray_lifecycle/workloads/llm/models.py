@@ -92,12 +92,18 @@ def _download_uri(uri: str) -> Path:
     import pyarrow.fs
 
     filesystem, path = pyarrow.fs.FileSystem.from_uri(uri)
+
+    def fetch(partial: Path) -> None:
+        partial.mkdir(parents=True)
+        pyarrow.fs.copy_files(
+            path,
+            str(partial),
+            source_filesystem=filesystem,
+            destination_filesystem=pyarrow.fs.LocalFileSystem(),
+        )
+
     key = hashlib.sha1(uri.rstrip("/").encode()).hexdigest()[:16]
-    target = _fetch_once(
-        model_cache_dir() / "uri" / key,
-        lambda partial: pyarrow.fs.copy_files(path, str(partial), source_filesystem=filesystem),
-    )
-    return _hf_folder(target, f"model URI {uri}")
+    return _hf_folder(_fetch_once(model_cache_dir() / "uri" / key, fetch), f"model URI {uri}")
 
 
 class ModelLocation(BaseModel):
