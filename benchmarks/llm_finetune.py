@@ -264,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     corpus.write_corpus(source, args.examples, seed=0)
     base = build_tiny_llm(work / "tiny-llama")
     times: dict[str, list[float]] = {side: [] for side in SIDES}
+    # The machine's 1-minute load average at the end of each run: other work on a shared
+    # machine shows up in the times, and this says how much there was.
+    loads: dict[str, list[float]] = {side: [] for side in SIDES}
     outcomes: dict[str, list[Any]] = {side: [] for side in SIDES if side != "raw"}
     with temporary_stack(args.head_cpus, prefix="bf-") as stack, pointed_at(stack):
         # The corpus is prepared once (data-prep caches it), outside the timing.
@@ -292,7 +295,17 @@ def main(argv: list[str] | None = None) -> int:
                         elapsed, result = run_flow(stack, node, params, storage, side, args)
                         times[side].append(elapsed)
                         outcomes[side].append(result.outcome)
-                print(json.dumps({"round": round_index, "side": side, "s": times[side][-1]}))
+                loads[side].append(os.getloadavg()[0])
+                print(
+                    json.dumps(
+                        {
+                            "round": round_index,
+                            "side": side,
+                            "s": times[side][-1],
+                            "load": loads[side][-1],
+                        }
+                    )
+                )
     median = {side: statistics.median(values) for side, values in times.items()}
     flows = outcomes["flow"]
 
@@ -330,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                     preempt_overhead / ARTICLE_PREEMPT_SHARE, 0
                 ),
                 "runs": {side: [round(t, 2) for t in values] for side, values in times.items()},
+                "load_avg_1m": {side: [round(x, 1) for x in v] for side, v in loads.items()},
+                "cpus": os.cpu_count(),
                 "data_reread_blocks": sum(
                     r.reread_blocks for side in outcomes for o in outcomes[side] for r in o.resumes
                 ),

@@ -91,7 +91,8 @@ def draw_finetune(
                 [p[1] for p in lost],
                 color=LOST_COLOR,
                 linestyle="--",
-                linewidth=1.2,
+                linewidth=1.8,
+                zorder=4,  # over the resumed attempt's line, which retraces the same tokens
                 label="steps lost to a failure (trained again)",
                 gid=f"lost:{index}",
             )
@@ -170,7 +171,7 @@ def draw_finetune(
     best = f", best eval {summary.best_eval_loss:.3f}" if summary.best_eval_loss else ""
     figure.suptitle(
         f"{title}\n{summary.steps} steps, {summary.tokens_seen:,} tokens{best}, "
-        f"{len(summary.resumes)} resumes",
+        f"{len(summary.resumes)} resume{'' if len(summary.resumes) == 1 else 's'}",
         fontsize=11,
     )
     return figure
