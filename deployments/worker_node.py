@@ -48,15 +48,27 @@ class WorkerNode:
         raise LookupError(f"no raylet under pid {self.process.pid}; see {self.log_file}")
 
 
-def alive_nodes(dashboard_url: str, token: str) -> list[dict]:
-    """The cluster's alive nodes, from the head's state API."""
+def _state_api(dashboard_url: str, token: str, query: str) -> list[dict]:
     request = urllib.request.Request(
-        f"{dashboard_url}/api/v0/nodes?limit=1000&detail=true",
-        headers={"Authorization": f"Bearer {token}"},
+        f"{dashboard_url}/api/v0/{query}", headers={"Authorization": f"Bearer {token}"}
     )
     with urllib.request.urlopen(request, timeout=10) as response:
-        nodes = json.loads(response.read())["data"]["result"]["result"]
+        return json.loads(response.read())["data"]["result"]["result"]
+
+
+def alive_nodes(dashboard_url: str, token: str) -> list[dict]:
+    """The cluster's alive nodes, from the head's state API."""
+    nodes = _state_api(dashboard_url, token, "nodes?limit=1000&detail=true")
     return [node for node in nodes if node["state"] == "ALIVE"]
+
+
+def alive_actors(dashboard_url: str, token: str, class_name: str) -> list[dict]:
+    """The cluster's alive actors of one class (with pid and node_id), from the state API."""
+    query = (
+        "actors?limit=1000&detail=true&filter_keys=class_name&filter_predicates=%3D"
+        f"&filter_values={class_name}"
+    )
+    return [a for a in _state_api(dashboard_url, token, query) if a["state"] == "ALIVE"]
 
 
 @contextlib.contextmanager
@@ -110,6 +122,25 @@ def join(
         yield WorkerNode(process, temp_dir, joined[0]["node_id"], log_file)
     finally:
         stop(process)
+
+
+PREEMPTION = "DRAIN_NODE_REASON_PREEMPTION"
+
+
+def drain(
+    address: str, node_id: str, deadline_s: int, env: dict[str, str], message: str = "spot reclaim"
+) -> None:
+    """`ray drain-node` with the preemption reason and a deadline: the notice a cloud's Spot
+    reclaim gives through the autoscaler. Ray never kills the node itself; the caller does,
+    after the deadline (stop)."""
+    argv = [str(Path(sys.executable).parent / "ray"), "drain-node", "--address", address]
+    argv += ["--node-id", node_id, "--reason", PREEMPTION, "--reason-message", message]
+    argv += ["--deadline-remaining-seconds", str(deadline_s)]
+    done = subprocess.run(
+        argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=60
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"ray drain-node failed: {done.stdout}{done.stderr}")
 
 
 def stop(process: subprocess.Popen, timeout: float = 15.0) -> None:

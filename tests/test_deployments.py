@@ -18,6 +18,9 @@ USER_INPUT = {
     "data-prep": {
         "params": {"source": "/data/*.parquet", "output": "/prepared", "split_key": "id"}
     },
+    "llm-finetune": {
+        "params": {"data": {"source": "/corpus/*.jsonl", "output": "/prepared", "split_key": "id"}}
+    },
     "register-and-promote": {
         "request": {"checkpoint": "/ckpt", "experiment_path": "/exp", "trial_id": "t1"}
     },
@@ -63,6 +66,7 @@ def test_rollouts_queue_and_schedules_are_defined_but_off():
     assert {
         "data-prep",
         "tune-sweep",
+        "llm-finetune",
         "register-and-promote",
         "serve-rollout",
         "reconcile",

@@ -9,8 +9,6 @@ import math
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,8 +23,9 @@ from prefect_ray_lifecycle.flows.tune_sweep import tune_sweep
 from prefect_ray_lifecycle.tasks.tune.chart import EARLY_LABEL, STOPPED_EARLY, draw_sweep
 from prefect_ray_lifecycle.tasks.tune.config import SweepConfig
 from prefect_ray_lifecycle.workloads.rl import rllib
+from tests import flow_process
+from tests.schema_checks import undescribed
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # A PPO trial iteration of ~1 s on the shared 2-core machine.
 TINY = {
     "hyperparameters": {"train_batch_size_per_learner": 256, "minibatch_size": 64, "num_epochs": 2},
@@ -104,18 +103,8 @@ def test_the_flow_rejects_a_bad_spec_before_any_ray_work(prefect_api, tmp_path):
 
 
 def test_every_flow_parameter_and_setting_is_described_for_the_ui():
-    schema = tune_sweep.parameters.model_dump()
-    undescribed = [
-        name for name, prop in schema["properties"].items() if not prop.get("description")
-    ]
-    undescribed += [
-        f"{model}.{name}"
-        for model, definition in schema["definitions"].items()
-        for name, prop in definition.get("properties", {}).items()
-        if not prop.get("description")
-    ]
-    assert undescribed == []
-    assert "SweepConfig" in schema["definitions"]
+    assert undescribed(tune_sweep) == []
+    assert "SweepConfig" in tune_sweep.parameters.model_dump()["definitions"]
 
 
 def test_stop_conditions_stop_a_trial_at_the_first_one_met():
@@ -456,43 +445,16 @@ def test_a_failing_trial_is_retried_up_to_max_failures_then_fails_the_flow(
     assert "The sweep failed: trial" in chart_md.data
 
 
-RUN_EXISTING_FLOW_RUN = """
-import json, sys
-from prefect.client.orchestration import get_client
-from prefect.flow_engine import run_flow
-from prefect_ray_lifecycle.blocks import RayCluster
-from prefect_ray_lifecycle.flows.tune_sweep import tune_sweep
-
-flow_run_id, address, token, parameters = sys.argv[1:]
-with get_client(sync_client=True) as client:
-    flow_run = client.read_flow_run(flow_run_id)
-parameters = json.loads(parameters)
-parameters["ray_cluster"] = RayCluster(address=address, auth_token=token)
-print(run_flow(tune_sweep, flow_run=flow_run, parameters=parameters).model_dump_json())
-"""
-
-
 def _start_flow_run(stack, flow_run_id, parameters, tmp_path):
-    script = tmp_path / "run_existing.py"
-    script.write_text(RUN_EXISTING_FLOW_RUN)
     # Tune saves its experiment state at most every TUNE_GLOBAL_CHECKPOINT_S; the test waits
     # for a finished trial to be recorded there, so make that quick.
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "TUNE_GLOBAL_CHECKPOINT_S": "1"}
-    return subprocess.Popen(
-        [
-            sys.executable,
-            str(script),
-            str(flow_run_id),
-            stack.ray_address,
-            stack.ray_token,
-            json.dumps(parameters),
-        ],
-        cwd=PROJECT_ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    return flow_process.start_flow_run(
+        stack,
+        "prefect_ray_lifecycle.flows.tune_sweep:tune_sweep",
+        flow_run_id,
+        parameters,
+        tmp_path / "run_existing.py",
+        {"TUNE_GLOBAL_CHECKPOINT_S": "1"},
     )
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "internal_kv_put",
     "is_script_mode",
     "is_worker_mode",
+    "quiet_train_report_logs",
     "refresh_auth_token",
     "remote_function_name",
     "reset_tune_registry_prefix",
@@ -34,6 +35,8 @@ __all__ = [
     "stdstream_handler",
     "task_attempt_number",
     "task_option_names",
+    "train_controller_env",
+    "train_preemption_fallback_deadline_s",
     "wrap_remote_submit",
 ]
 
@@ -65,6 +68,11 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("ray.serve._private.client", "ServeControllerClient.shutdown_cached_handles"),
     Symbol("ray.tune.registry", "_global_registry"),
     Symbol("ray.tune.registry", "_Registry._prefix", instance=True),
+    Symbol("ray.train.v2._internal.constants", "HEALTH_CHECK_INTERVAL_S_ENV_VAR"),
+    Symbol("ray.train.v2._internal.constants", "PREEMPTION_POLL_INTERVAL_S_ENV_VAR"),
+    Symbol("ray.train.v2._internal.constants", "ENV_VARS_TO_PROPAGATE"),
+    Symbol("ray.train.v2._internal.constants", "DEFAULT_PREEMPTION_DEADLINE_S"),
+    Symbol("ray.train.v2._internal.execution.context", "logger"),
 )
 
 SUBMIT_WRAPPED = "_prl_wraps_submit"  # marks our wrapper on RemoteFunction._remote
@@ -212,3 +220,43 @@ def reset_tune_registry_prefix() -> None:
     workers never look ("Environment ... doesn't exist"). Relies on
     `ray.tune.registry._global_registry._prefix`."""
     _module("ray.tune.registry")._global_registry._prefix = None
+
+
+def train_controller_env(health_check_s: float, preemption_poll_s: float) -> dict[str, str]:
+    """Environment variables that set how often a Ray Train V2 controller polls its workers
+    and how often its preemption watcher polls for drained nodes; set them in the driver's
+    environment before `fit()`, which hands them to the controller and its workers. Relies on
+    `ray.train.v2._internal.constants.HEALTH_CHECK_INTERVAL_S_ENV_VAR` (default 2 s) and
+    `PREEMPTION_POLL_INTERVAL_S_ENV_VAR` (default 5 s), both in `ENV_VARS_TO_PROPAGATE`.
+    Checked against Ray 2.60.0: each worker holds one unread `ray.train.report` (a queue of
+    size 1 the controller drains once per poll), so a loop reporting faster than the poll
+    interval waits for it."""
+    constants = _module("ray.train.v2._internal.constants")
+    names = (
+        constants.HEALTH_CHECK_INTERVAL_S_ENV_VAR,
+        constants.PREEMPTION_POLL_INTERVAL_S_ENV_VAR,
+    )
+    if not set(names) <= constants.ENV_VARS_TO_PROPAGATE:
+        raise RuntimeError(f"Ray Train no longer hands {names} to its controller")
+    return {names[0]: f"{health_check_s:g}", names[1]: f"{preemption_poll_s:g}"}
+
+
+def train_preemption_fallback_deadline_s() -> float:
+    """How long after a preemption is first seen Ray Train restarts the run when the drain
+    gave no deadline. Relies on `ray.train.v2._internal.constants.
+    DEFAULT_PREEMPTION_DEADLINE_S` (120 s in Ray 2.60.0), which the controller's
+    `_is_preemption_deadline_exceeded` uses."""
+    return float(_module("ray.train.v2._internal.constants").DEFAULT_PREEMPTION_DEADLINE_S)
+
+
+def quiet_train_report_logs() -> None:
+    """Keep a Ray Train worker from logging one INFO line per `ray.train.report` ("Reporting
+    training result ..."). Relies on `ray.train.v2._internal.execution.context.logger`, which
+    Ray 2.60.0 names by its file path (`logging.getLogger(__file__)`), not `ray.train...`: it
+    escapes the `ray.train` logger that RunConfig's LoggingConfig(log_level) filters, and
+    reaches the worker's root console handler."""
+    import logging
+
+    logging.getLogger(_module("ray.train.v2._internal.execution.context").logger.name).setLevel(
+        logging.WARNING
+    )

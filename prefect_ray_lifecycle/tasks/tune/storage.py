@@ -35,12 +35,13 @@ def check_storage_root(storage_root: str) -> None:
         ) from None
 
 
-def experiment_path(storage_root: str, flow_run_id: str | None) -> str:
-    """Where a flow run's sweep lives: the same flow run (retry, re-run) finds it again."""
+def experiment_path(storage_root: str, flow_run_id: str | None, name: str = EXPERIMENT_NAME) -> str:
+    """Where a flow run's sweep (or other Ray run `name`) lives: the same flow run (retry,
+    re-run) finds it again."""
     run = flow_run_id or "no-flow-run"
     if is_uri(storage_root):
-        return f"{storage_root.rstrip('/')}/{run}/{EXPERIMENT_NAME}"
-    return str(Path(storage_root).expanduser().resolve() / run / EXPERIMENT_NAME)
+        return f"{storage_root.rstrip('/')}/{run}/{name}"
+    return str(Path(storage_root).expanduser().resolve() / run / name)
 
 
 def split_experiment(path: str) -> tuple[str, str]:

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import re
-import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,13 +20,14 @@ from prefect_ray_lifecycle.workloads.constants import (
     VERSION_HEADER,
 )
 from prefect_ray_lifecycle.workloads.http import JSON_TYPE, BadRequest, request_dict
-from prefect_ray_lifecycle.workloads.llm.config import LLMAppArgs, MLflowModelSource
+from prefect_ray_lifecycle.workloads.llm.config import LLMAppArgs
 from prefect_ray_lifecycle.workloads.llm.engine import (
     EngineLoop,
     ReplicaStats,
     make_engine,
     warm_up,
 )
+from prefect_ray_lifecycle.workloads.llm.models import download_from_mlflow, model_cache_dir
 from prefect_ray_lifecycle.workloads.llm.protocol import (
     EVENT_STREAM_TYPE,
     SSE_DONE,
@@ -53,45 +51,6 @@ __all__ = ["WARMUP_PROMPT", "LLMServer", "download_from_mlflow", "model_cache_di
 logger = logging.getLogger("ray.serve")
 
 WARMUP_PROMPT = "ray serve"
-MODEL_CACHE_ENV = "RLT_LLM_MODEL_CACHE"
-DEFAULT_MODEL_CACHE = "/tmp/rlt-llm-models"
-
-
-def model_cache_dir() -> Path:
-    """Where a node keeps model versions fetched from MLflow: $RLT_LLM_MODEL_CACHE or /tmp."""
-    return Path(os.environ.get(MODEL_CACHE_ENV, DEFAULT_MODEL_CACHE))
-
-
-def download_from_mlflow(source: MLflowModelSource) -> Path:
-    """Fetch the model version's artifacts once per node; return the folder with config.json."""
-    # Lazy: mlflow is heavy and needed only by replicas serving an MLflow version.
-    from mlflow import MlflowClient
-    from mlflow.artifacts import download_artifacts
-
-    client = MlflowClient(tracking_uri=source.tracking_uri)
-    if source.version.isdigit():
-        version = client.get_model_version(source.model_name, source.version)
-    else:
-        version = client.get_model_version_by_alias(source.model_name, source.version)
-    folder = re.sub(r"[^A-Za-z0-9._-]", "_", source.model_name)
-    target = model_cache_dir() / folder / version.version
-    if not (target / ".complete").exists():
-        partial = target.with_name(f"{target.name}.{uuid.uuid4().hex[:8]}.partial")
-        download_artifacts(
-            artifact_uri=version.source, dst_path=str(partial), tracking_uri=source.tracking_uri
-        )
-        (partial / ".complete").touch()
-        try:
-            partial.rename(target)
-        except OSError:  # another replica on this node got there first
-            shutil.rmtree(partial, ignore_errors=True)
-    configs = sorted(target.rglob("config.json"), key=lambda p: len(p.parts))
-    if not configs:
-        raise FileNotFoundError(
-            f"MLflow model {source.model_name} version {version.version} "
-            f"({version.source}) holds no Hugging Face config.json"
-        )
-    return configs[0].parent
 
 
 @dataclass

@@ -1,0 +1,122 @@
+"""llm-finetune: a causal LM fine-tuned with Ray Train on text the data-prep flow prepared.
+
+The story: check the parameters (no Ray yet), prepare the corpus (data-prep: quarantine and
+cache as always), fine-tune it (Ray Data tokenizes, Ray Train trains; a re-run of the same flow
+run resumes from its storage), record the run as an asset downstream of the dataset. Each
+checkpoint is a Hugging Face folder the LLM app serves as it is; a preemption notice gets a
+just-in-time checkpoint, a lost worker a resume from the latest periodic one (docs/llm-finetune.md).
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.runtime import flow_run
+from pydantic import BaseModel, Field
+
+from prefect_ray_lifecycle.blocks import RayCluster
+from prefect_ray_lifecycle.flows.data_prep import DataPrepParams, data_prep
+from prefect_ray_lifecycle.tasks.finetune.config import (
+    DEFAULT_STORAGE_ROOT,
+    FineTuneInputError,
+    FineTuneOutcome,
+)
+from prefect_ray_lifecycle.tasks.finetune.plan import plan_finetune, split_problem
+from prefect_ray_lifecycle.tasks.finetune.report import record_run
+from prefect_ray_lifecycle.tasks.finetune.train import run_finetune
+from prefect_ray_lifecycle.tasks.params import Text
+from prefect_ray_lifecycle.workloads.llm.models import ModelLocation
+from prefect_ray_lifecycle.workloads.llm.train.settings import (
+    CorpusSettings,
+    FailureSettings,
+    ResourceSettings,
+    TrainingSettings,
+)
+
+
+class FineTuneParams(BaseModel):
+    """What to fine-tune, on what text, how, and where its checkpoints live."""
+
+    data: DataPrepParams = Field(
+        description="The corpus, as the data-prep flow takes it: JSON lines, CSV or parquet of "
+        "a text column or of prompt and completion columns (split_key: a row id). Bad rows "
+        "and empty texts go to its quarantine; an unchanged corpus is reused from its cache."
+    )
+    corpus: CorpusSettings = Field(
+        default_factory=CorpusSettings, description="Which columns hold the text."
+    )
+    base: ModelLocation | None = Field(
+        default=None,
+        description="The base causal LM: a Hugging Face folder (every node reads it), a URI of "
+        "one, or an MLflow model version; empty: the tiny Llama (workloads.llm.tiny), built "
+        "once under storage_root.",
+    )
+    training: TrainingSettings = Field(
+        default_factory=TrainingSettings, description="Steps, batch, schedule, checkpoints."
+    )
+    resources: ResourceSettings = Field(
+        default_factory=ResourceSettings, description="Workers and the CPU share of each part."
+    )
+    failures: FailureSettings = Field(
+        default_factory=FailureSettings, description="Failure and preemption budgets."
+    )
+    storage_root: Text = Field(
+        default=DEFAULT_STORAGE_ROOT,
+        description="Where runs live: a folder every Ray node reaches (NFS, a shared volume) or "
+        "a pyarrow filesystem URI (s3://bucket/prefix, file://...); a flow run's fine-tune "
+        "lives under its id, so a retry or re-run of it resumes from its checkpoints.",
+    )
+
+
+class FineTuneResult(BaseModel):
+    outcome: FineTuneOutcome = Field(description="The run: checkpoints, resumes, losses, chart.")
+    dataset_asset_key: str = Field(description="The prepared dataset it trained on.")
+    dataset_fingerprint: str = Field(description="Its content fingerprint.")
+    asset_key: str = Field(description="The fine-tune run's Prefect asset.")
+    flow_run_id: str | None = Field(description="This flow run (its storage folder's name).")
+
+
+@flow(name="llm-finetune", log_prints=True)
+def llm_finetune(params: FineTuneParams, ray_cluster: RayCluster | None = None) -> FineTuneResult:
+    """Fine-tune a causal LM on Ray Train (see FineTuneParams); return its best checkpoint.
+
+    Args:
+        params: The corpus, base model, training, resources, failure budgets and storage.
+        ray_cluster: Where to run; an embedded local Ray when empty.
+    """
+    cluster = ray_cluster or RayCluster()
+    run_id = str(flow_run.id) if flow_run.id else None
+    data = params.data
+    plan = plan_finetune(
+        data.source,
+        data.expected_schema,
+        data.required_columns,
+        params.corpus,
+        params.base,
+        params.training,
+        params.resources,
+        params.failures,
+        params.storage_root,
+        run_id,
+    )
+    dataset = data_prep(
+        data.model_copy(update={"required_columns": plan.required_columns}), ray_cluster=cluster
+    )
+    if problem := split_problem(dataset.rows_train, dataset.rows_eval, dataset.rows_quarantined):
+        raise FineTuneInputError(problem)
+    outcome = run_finetune(plan, dataset.train_path, dataset.eval_path, cluster)
+    print(
+        f"eval loss {outcome.base_eval_loss} (base) -> {outcome.best_eval_loss}; best "
+        f"checkpoint {outcome.best_checkpoint}; {len(outcome.resumes)} resumes"
+    )
+    asset = record_run(
+        outcome,
+        dataset.asset_key,
+        {"flow_run_id": run_id, "base": plan.base_label, "fingerprint": dataset.fingerprint},
+    )
+    return FineTuneResult(
+        outcome=outcome,
+        dataset_asset_key=dataset.asset_key,
+        dataset_fingerprint=dataset.fingerprint,
+        asset_key=asset,
+        flow_run_id=run_id,
+    )

@@ -1,0 +1,1 @@
+"""Prefect tasks around one Ray Train fine-tune: its plan, the run, its report and chart."""

@@ -1,0 +1,61 @@
+"""A flow run in a process of its own, as a Prefect worker runs one: an API-created flow run
+run by `run_flow` in a new session (a test can kill it with all it started), with this
+checkout first on the path; the flow's RayCluster points at the session's head."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["PROJECT_ROOT", "start_flow_run"]
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+RUN_EXISTING_FLOW_RUN = """
+import importlib, json, sys
+from prefect.client.orchestration import get_client
+from prefect.flow_engine import run_flow
+from prefect_ray_lifecycle.blocks import RayCluster
+
+entrypoint, flow_run_id, address, token, parameters = sys.argv[1:]
+module, name = entrypoint.split(":")
+flow = getattr(importlib.import_module(module), name)
+with get_client(sync_client=True) as client:
+    flow_run = client.read_flow_run(flow_run_id)
+parameters = json.loads(parameters)
+parameters["ray_cluster"] = RayCluster(address=address, auth_token=token)
+print(run_flow(flow, flow_run=flow_run, parameters=parameters).model_dump_json())
+"""
+
+
+def start_flow_run(
+    stack,
+    entrypoint: str,
+    flow_run_id,
+    parameters: dict,
+    script: Path,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """Run the flow run `flow_run_id` of the flow at `entrypoint` ('module:flow') with
+    `parameters` (JSON) in a new process and session; its last stdout line is the result."""
+    script.write_text(RUN_EXISTING_FLOW_RUN)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(script),
+            entrypoint,
+            str(flow_run_id),
+            stack.ray_address,
+            stack.ray_token,
+            json.dumps(parameters),
+        ],
+        cwd=PROJECT_ROOT,
+        env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
