@@ -1,20 +1,27 @@
 """Closed-loop HTTP load on a route, recording what every answer said: its status, the
-version that answered (X-Model-Version), the version it fell back from (X-Fallback-From) and
-its latency. The tests, the serving benchmarks and the demo watch rollouts through it."""
+version that answered (X-Model-Version), the version it fell back from (X-Fallback-From), its
+latency and the session it belonged to (X-Session-Id). The tests, the serving benchmarks and
+the demo watch rollouts through it."""
 
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prefect_ray_lifecycle.workloads.constants import FALLBACK_HEADER, VERSION_HEADER
+from prefect_ray_lifecycle.workloads.constants import (
+    FALLBACK_HEADER,
+    SESSION_HEADER,
+    VERSION_HEADER,
+)
 from prefect_ray_lifecycle.workloads.figures import percentile
 
-__all__ = ["OBSERVATION", "Answer", "ClosedLoop"]
+__all__ = ["OBSERVATION", "Answer", "ClosedLoop", "Request"]
 
 OBSERVATION = [0.01, -0.02, 0.03, 0.04]  # a CartPole observation
 
@@ -27,11 +34,18 @@ class Answer:
     fallback_from: str | None
     latency_ms: float
     body: bytes
+    session: str | None = None  # the X-Session-Id it was sent with
+    request: int | None = None  # which request it answered (n, for a `requests` load)
+
+
+# The n-th request a load sends: its body and extra headers.
+Request = Callable[[int], tuple[bytes, dict[str, str]]]
 
 
 class ClosedLoop:
     """`threads` clients on http://host:port/path, each sending its next request when the
-    last one is answered (after `pause_s`)."""
+    last one is answered (after `pause_s`): `body` with `headers` each time, or what
+    `requests(n)` makes of the n-th request."""
 
     def __init__(
         self,
@@ -42,11 +56,16 @@ class ClosedLoop:
         body: bytes | None = None,
         content_type: str = "application/json",
         host: str = "127.0.0.1",
+        headers: dict[str, str] | None = None,
+        requests: Request | None = None,
     ):
         self.host, self.port, self.path = host, port, path
         self.pause_s = pause_s
         self.body = body if body is not None else json.dumps({"observation": OBSERVATION}).encode()
         self.content_type = content_type
+        self.headers = dict(headers or {})
+        self.requests = requests
+        self._count = itertools.count()
         self.answers: list[Answer] = []
         self._stop = threading.Event()
         self._workers = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
@@ -56,11 +75,15 @@ class ClosedLoop:
 
     def _run(self) -> None:
         connection = self._connect()
-        headers = {"content-type": self.content_type}
         while not self._stop.is_set():
+            body, extra, n = self.body, self.headers, None
+            if self.requests is not None:
+                n = next(self._count)
+                body, extra = self.requests(n)
+            headers = {"content-type": self.content_type, **extra}
             started = time.perf_counter()
             try:
-                connection.request("POST", self.path, self.body, headers)
+                connection.request("POST", self.path, body, headers)
                 response = connection.getresponse()
                 body = response.read()
                 status = response.status
@@ -71,7 +94,10 @@ class ClosedLoop:
                 connection.close()
                 connection = self._connect()
             latency = (time.perf_counter() - started) * 1000
-            self.answers.append(Answer(time.time(), status, version, fallback, latency, body))
+            session = headers.get(SESSION_HEADER)
+            self.answers.append(
+                Answer(time.time(), status, version, fallback, latency, body, session, n)
+            )
             if self.pause_s:
                 self._stop.wait(self.pause_s)
 
