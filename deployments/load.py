@@ -21,7 +21,7 @@ from prefect_ray_lifecycle.workloads.constants import (
 )
 from prefect_ray_lifecycle.workloads.figures import percentile
 
-__all__ = ["OBSERVATION", "Answer", "ClosedLoop", "Request"]
+__all__ = ["OBSERVATION", "Answer", "ClosedLoop", "OpenLoop", "Request"]
 
 OBSERVATION = [0.01, -0.02, 0.03, 0.04]  # a CartPole observation
 
@@ -126,3 +126,81 @@ class ClosedLoop:
             "fallbacks": sum(1 for a in self.answers if a.fallback_from),
             "p99_ms": round(p99, 1) if p99 is not None else None,
         }
+
+
+class OpenLoop:
+    """Open-loop load: requests sent at `rate_per_s`, on schedule whether or not earlier ones
+    were answered (up to `threads` in flight), each answer's latency counted from when it was
+    due, so that a slow server's queueing shows (no coordinated omission). `requests(n)`
+    makes the n-th request, as for ClosedLoop."""
+
+    def __init__(
+        self,
+        port: int,
+        path: str,
+        rate_per_s: float,
+        threads: int = 16,
+        requests: Request | None = None,
+        host: str = "127.0.0.1",
+    ):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.host, self.port, self.path, self.rate = host, port, path, rate_per_s
+        self.requests = requests or (
+            lambda n: (json.dumps({"observation": OBSERVATION}).encode(), {})
+        )
+        self.answers: list[Answer] = []
+        self.late = 0  # requests that found every thread busy at their time
+        self._pool = ThreadPoolExecutor(threads)
+        self._local = threading.local()
+        self._stop = threading.Event()
+        self._scheduler = threading.Thread(target=self._schedule, daemon=True)
+        self._busy = threading.Semaphore(threads)
+
+    def _schedule(self) -> None:
+        started = time.perf_counter()
+        for n in itertools.count():
+            due = started + n / self.rate
+            if self._stop.wait(max(0.0, due - time.perf_counter())):
+                return
+            if not self._busy.acquire(blocking=False):
+                self.late += 1
+                self._busy.acquire()
+            self._pool.submit(self._send, n, due)
+
+    def _send(self, n: int, due: float) -> None:
+        try:
+            connection = getattr(self._local, "connection", None)
+            if connection is None:
+                connection = self._local.connection = http.client.HTTPConnection(
+                    self.host, self.port, timeout=60
+                )
+            body, extra = self.requests(n)
+            try:
+                connection.request(
+                    "POST", self.path, body, {"content-type": "application/json", **extra}
+                )
+                response = connection.getresponse()
+                answer = response.read()
+                status = response.status
+                version = response.getheader(VERSION_HEADER)
+                fallback = response.getheader(FALLBACK_HEADER)
+            except (OSError, http.client.HTTPException) as error:
+                status, version, fallback, answer = 0, None, None, repr(error).encode()
+                connection.close()
+                self._local.connection = None
+            latency = (time.perf_counter() - due) * 1000
+            self.answers.append(
+                Answer(time.time(), status, version, fallback, latency, answer, None, n)
+            )
+        finally:
+            self._busy.release()
+
+    def __enter__(self) -> OpenLoop:
+        self._scheduler.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._scheduler.join(timeout=10)
+        self._pool.shutdown(wait=True)

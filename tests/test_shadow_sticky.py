@@ -6,10 +6,8 @@ several tests (`gated`); the rejected ones run after it."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
-import threading
 import time
 import uuid
 from collections import Counter
@@ -23,8 +21,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from mlflow import MlflowClient
 
+from deployments import drive
 from deployments import status as status_command
 from deployments.load import ClosedLoop
+from deployments.watch import sessions_per_step, stage_windows
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.flows.rollout import RolloutFailed, serve_rollout
@@ -39,7 +39,7 @@ from prefect_ray_lifecycle.workloads.serve.route_state import (
     route_figures,
     route_state,
 )
-from prefect_ray_lifecycle.workloads.serve.router_config import RouterConfig, Testers
+from prefect_ray_lifecycle.workloads.serve.router_config import Testers
 from prefect_ray_lifecycle.workloads.serve.traffic import token_digest
 
 pytestmark = pytest.mark.slow
@@ -155,22 +155,9 @@ def chart_data(route, version) -> dict:
     return json.loads(open(client.download_artifacts(run_id, path)).read())
 
 
-def ends(drawn: dict) -> dict[str, float]:
-    """When each stage ended (time.time())."""
-    return {mark["stage"]: mark["at"] for mark in drawn["stages"]}
-
-
 def windows(gated) -> dict[str, tuple[float, float]]:
-    """When each traffic stage of the shared rollout had its config on every router replica
-    (from its `applied_s`) until it ended, BOUNDARY_S inside both ends."""
-    stage = ends(gated["drawn"])
-    timeline = {e["stage"]: e for e in gated["result"].timeline}
-    out, previous = {}, "smoke"
-    for name in ("shadow", "canary 20%", "canary 50%"):
-        start = stage[previous] + timeline[name]["figures"]["applied_s"] + BOUNDARY_S
-        out[name] = (start, stage[name] - BOUNDARY_S)
-        previous = name
-    return out
+    stages = ["shadow", "canary 20%", "canary 50%"]
+    return stage_windows(gated["result"].timeline, stages, BOUNDARY_S)
 
 
 @pytest.fixture(scope="module")
@@ -241,18 +228,13 @@ def test_an_identical_candidate_agrees_fully_in_the_shadow_and_users_got_live_me
 
 
 def test_each_session_sees_one_version_per_canary_step_in_the_share_of_its_weight(gated):
-    steps = {0.2: windows(gated)["canary 20%"], 0.5: windows(gated)["canary 50%"]}
-    seen: dict[float, dict[str, set[str]]] = {}
-    fallbacks = 0
+    held = windows(gated)
+    steps = {0.2: held["canary 20%"], 0.5: held["canary 50%"]}
+    seen, fallbacks = sessions_per_step(
+        gated["sessions"].answers, steps, lambda a: session_of(a.request)
+    )
     for weight, (start, end) in steps.items():
-        versions = seen.setdefault(weight, {})
-        for answer in gated["sessions"].answers:
-            if not start < answer.at < end:
-                continue
-            if answer.fallback_from:  # the one exception, and it says so
-                fallbacks += 1
-                continue
-            versions.setdefault(session_of(answer.request), set()).add(answer.version)
+        versions = seen[weight]
         switched = [k for k, v in versions.items() if len(v) > 1]
         assert switched == [], (weight, switched[:5])
         counts = Counter(
@@ -271,10 +253,11 @@ def test_each_session_sees_one_version_per_canary_step_in_the_share_of_its_weigh
 
 
 def test_a_testers_header_reaches_the_candidate_only_while_the_rollout_holds_the_route(gated):
-    stage, held = ends(gated["drawn"]), windows(gated)
+    held = windows(gated)
+    smoke = next(e["at"] for e in gated["result"].timeline if e["stage"] == "smoke")
     answers = gated["tester"].answers
     assert all(a.status == 200 for a in answers)
-    before = [a for a in answers if a.at < stage["smoke"]]
+    before = [a for a in answers if a.at < smoke]
     start, end = held["shadow"][0], held["canary 50%"][1]
     holding = [a for a in answers if start < a.at < end]
     assert before and {a.version for a in before} == {"1"}  # no candidate yet: live
@@ -340,42 +323,18 @@ HEADER_VALUES = mostly(
 )
 
 
-@contextlib.contextmanager
-def held_by_a_fuzzer(route, stage: str):
+def held_by_a_fuzzer(stage: str):
     """The route's router serving live v2 and, as its candidate, v2's app again, under a
-    rollout record this test holds the lease for: a shadow stage, or a canary at 50% with
+    rollout record this test holds the route for: a shadow stage, or a canary at 50% with
     testers let in by token."""
-    holder = f"fuzz-{uuid.uuid4().hex[:6]}"
-    actor = route_state(ROUTE)
-    assert ray.get(actor.claim.remote(holder, 10.0, {}), timeout=10)["granted"]
-    stop = threading.Event()
-
-    def renew():
-        while not stop.wait(2):
-            ray.get(actor.renew.remote(holder, 10.0), timeout=10)
-
-    renewer = threading.Thread(target=renew, daemon=True)
-    renewer.start()
     good = serve_control.current_router(ROUTE)
-    record = {"holder": holder, "stage": stage, "version": good.live.version}
-    fields = {"candidate": good.live.as_dict(), "rollout": record}
+    fields = {"candidate": good.live, "rollout": {"stage": stage}}
     if stage == "shadow":
         fields["shadow"] = {"share": 1.0, "max_per_s": 100, "noise_floor": True}
     else:
         fields["candidate_weight"] = 0.5
-        fields["testers"] = Testers("token", token_digest("s3cret")).as_dict()
-    held = RouterConfig.parse({**good.as_dict(), **fields})
-    app = serve_control.router_app_name(ROUTE)
-    runtime_env = serve_control.app_configs()[app]["runtime_env"]
-    options = {"num_replicas": SERVING.router_replicas, "num_cpus": SERVING.router_num_cpus}
-    try:
-        serve_control.write_router(ROUTE, held, runtime_env, options)
-        yield
-    finally:
-        stop.set()
-        renewer.join(timeout=10)
-        serve_control.write_router(ROUTE, good, runtime_env, options)
-        ray.get(actor.release.remote(holder), timeout=10)
+        fields["testers"] = Testers("token", token_digest("s3cret"))
+    return drive.held(ROUTE, **fields)
 
 
 @pytest.mark.parametrize("stage", ["canary", "shadow"])
@@ -414,7 +373,7 @@ def test_new_headers_and_fields_never_get_a_5xx_and_the_route_stays_healthy(rout
         assert_contract(answer.status_code, answer.content, answer.headers)
         assert answer.headers[VERSION_HEADER] == "2"
 
-    with held_by_a_fuzzer(route, stage):
+    with held_by_a_fuzzer(stage):
         fuzz()
     ok = session.post(route["url"], json={"observation": [0.0] * 4}, timeout=30)
     assert ok.status_code == 200 and ok.headers[VERSION_HEADER] == "2"

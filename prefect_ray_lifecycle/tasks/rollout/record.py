@@ -98,10 +98,12 @@ class Timeline:
         self.chart_url: str | None = None
 
     def add(self, stage: str, outcome: str, detail: str, figures: dict | None = None) -> None:
-        self.marks.append({"at": time.time(), "stage": stage, "outcome": outcome})
+        at = time.time()
+        self.marks.append({"at": at, "stage": stage, "outcome": outcome})
         self.entries.append(
             {
                 "at_s": round(time.monotonic() - self.started, 1),
+                "at": at,  # epoch seconds, to line up with what clients saw
                 "stage": stage,
                 "outcome": outcome,
                 "detail": detail,
