@@ -24,7 +24,6 @@ from typing import Any
 __all__ = ["NotWaiting", "main", "resume", "waiting_run"]
 
 NOT_WAITING = 2  # exit status
-SUBFLOW_DEPTH = 3  # reconcile -> serve-rollout -> rollout-approval
 POLL_S = 0.5
 
 
@@ -34,20 +33,9 @@ class NotWaiting(Exception):
 
 def waiting_run(client: Any, run_id: uuid.UUID) -> Any | None:
     """The paused run at or under `run_id` whose form Prefect has stored, else None."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect_ray_lifecycle.tasks.rollout.claim import run_and_subflows
 
-    runs, parents = [client.read_flow_run(run_id)], [run_id]
-    for _ in range(SUBFLOW_DEPTH):
-        children = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=parents)
-            )
-        )
-        runs += children
-        parents = [run.id for run in children]
-        if not parents:
-            break
-    for run in runs:
+    for run in run_and_subflows(client, run_id):
         state = run.state
         keyset = state.state_details.run_input_keyset if state and state.is_paused() else None
         if keyset and _form_stored(client, run.id, keyset["schema"]):

@@ -42,6 +42,26 @@ class Answer:
 Request = Callable[[int], tuple[bytes, dict[str, str]]]
 
 
+def _post(
+    connection: http.client.HTTPConnection, path: str, body: bytes, headers: dict[str, str]
+) -> tuple[int, str | None, str | None, bytes]:
+    """One request: (status, X-Model-Version, X-Fallback-From, body); status 0 and the error
+    for no answer (refused or reset: the connection is closed, make another)."""
+    try:
+        connection.request("POST", path, body, headers)
+        response = connection.getresponse()
+        answer = response.read()
+        return (
+            response.status,
+            response.getheader(VERSION_HEADER),
+            response.getheader(FALLBACK_HEADER),
+            answer,
+        )
+    except (OSError, http.client.HTTPException) as error:
+        connection.close()
+        return 0, None, None, repr(error).encode()
+
+
 class ClosedLoop:
     """`threads` clients on http://host:port/path, each sending its next request when the
     last one is answered (after `pause_s`): `body` with `headers` each time, or what
@@ -82,16 +102,8 @@ class ClosedLoop:
                 body, extra = self.requests(n)
             headers = {"content-type": self.content_type, **extra}
             started = time.perf_counter()
-            try:
-                connection.request("POST", self.path, body, headers)
-                response = connection.getresponse()
-                body = response.read()
-                status = response.status
-                version = response.getheader(VERSION_HEADER)
-                fallback = response.getheader(FALLBACK_HEADER)
-            except (OSError, http.client.HTTPException) as error:
-                status, version, fallback, body = 0, None, None, repr(error).encode()
-                connection.close()
+            status, version, fallback, body = _post(connection, self.path, body, headers)
+            if status == 0:
                 connection = self._connect()
             latency = (time.perf_counter() - started) * 1000
             session = headers.get(SESSION_HEADER)
@@ -176,18 +188,9 @@ class OpenLoop:
                     self.host, self.port, timeout=60
                 )
             body, extra = self.requests(n)
-            try:
-                connection.request(
-                    "POST", self.path, body, {"content-type": "application/json", **extra}
-                )
-                response = connection.getresponse()
-                answer = response.read()
-                status = response.status
-                version = response.getheader(VERSION_HEADER)
-                fallback = response.getheader(FALLBACK_HEADER)
-            except (OSError, http.client.HTTPException) as error:
-                status, version, fallback, answer = 0, None, None, repr(error).encode()
-                connection.close()
+            headers = {"content-type": "application/json", **extra}
+            status, version, fallback, answer = _post(connection, self.path, body, headers)
+            if status == 0:
                 self._local.connection = None
             latency = (time.perf_counter() - due) * 1000
             self.answers.append(

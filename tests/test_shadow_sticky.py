@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 import uuid
 from collections import Counter
@@ -24,7 +25,7 @@ from mlflow import MlflowClient
 from deployments import drive
 from deployments import status as status_command
 from deployments.load import ClosedLoop
-from deployments.watch import sessions_per_step, stage_windows
+from deployments.watch import sessions_per_step, stage_windows, wait_for
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.flows.rollout import RolloutFailed, serve_rollout
@@ -374,8 +375,47 @@ def test_new_headers_and_fields_never_get_a_5xx_and_the_route_stays_healthy(rout
         assert answer.headers[VERSION_HEADER] == "2"
 
     with held_by_a_fuzzer(stage):
+
+        def held() -> dict | None:
+            status = session.get(f"{route['url']}/-/status", timeout=30).json()
+            return status if status["lease"]["lapsed"] is False else None
+
+        status = wait_for("the replicas see the lease", held, 10)
+        assert status["serving"] == "as configured"
+        assert status["shadow"]["active"] is (stage == "shadow")
+        assert status["config"]["testers"]["token_sha256"] in (None, "set")  # never the digest
         fuzz()
     ok = session.post(route["url"], json={"observation": [0.0] * 4}, timeout=30)
     assert ok.status_code == 200 and ok.headers[VERSION_HEADER] == "2"
     state = serve_control.deployment_state(serve_control.router_app_name(ROUTE), "Router")
     assert str(state["status"]).endswith("HEALTHY")
+
+
+def test_a_candidate_failing_while_a_person_looks_is_aborted_at_approval(route, gated):
+    """In process too (no deployment): the rollout waits for approval before the swap, and
+    when its candidate starts failing meanwhile it is aborted without anyone answering."""
+    from prefect_ray_lifecycle.tasks.rollout.changes import inject
+
+    def waiting() -> bool:
+        config = serve_control.current_router(ROUTE)
+        return config.rollout is not None and config.rollout.approval is not None
+
+    users = load(route, threads=2, requests=lambda n: (observations(n), {}))
+    failing = threading.Thread(
+        target=lambda: (
+            wait_for("the rollout waits for approval", waiting, 240),
+            inject.fn(serve_control.version_app_name(route["name"], "5"), {"error_rate": 1.0}),
+        ),
+        daemon=True,
+    )
+    with users, pytest.raises(RolloutFailed, match="at approval: aborted by serve-rollout"):
+        failing.start()
+        serve_rollout(
+            version="5", gates=gates(shadow_share=0.0, approval="before_swap"), **route["common"]
+        )
+    failing.join(timeout=30)
+    tags = tags_of(route, 5)
+    assert (tags["verdict"], tags["stage"]) == ("rejected", "approval")
+    assert "the candidate failed while waiting" in tags["reason"]
+    assert all(a.status == 200 for a in users.answers)  # its failures were answered by live
+    assert {a.version for a in users.answers} <= {"2", "5"}

@@ -22,7 +22,7 @@ from prefect_ray_lifecycle.control.canary import (
 from prefect_ray_lifecycle.control.convergence import Observed, next_step
 from prefect_ray_lifecycle.tasks.rollout.config import Gates
 from prefect_ray_lifecycle.workloads.http import BadRequest
-from prefect_ray_lifecycle.workloads.serve.policy import Faults, ModelSpec, PolicyCore
+from prefect_ray_lifecycle.workloads.serve.policy import Faults
 from prefect_ray_lifecycle.workloads.serve.router_config import RouterConfig, Shadow, Target
 from prefect_ray_lifecycle.workloads.serve.shadow import (
     QUEUE_SIZE,
@@ -330,17 +330,6 @@ def test_gates_name_a_bad_approval_or_tester_setting():
 
 
 # ---- what a policy answers for a comparison ------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def core() -> PolicyCore:
-    import gymnasium as gym
-    from ray.rllib.algorithms.ppo import PPOConfig
-
-    env = gym.make("CartPole-v1")
-    spec = PPOConfig().environment("CartPole-v1").get_rl_module_spec(env=env)
-    spec.observation_space, spec.action_space = env.observation_space, env.action_space
-    return PolicyCore(ModelSpec("shadowed", "1", "http://127.0.0.1:1"), module=spec.build())
 
 
 def test_a_policy_answers_a_shadow_with_its_probabilities_and_a_drill_disagrees_on_a_share(core):

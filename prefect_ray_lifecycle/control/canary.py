@@ -72,11 +72,7 @@ def judge(
     baseline = (
         live.get("p99_ms") if live and live.get("requests", 0) >= MIN_BASELINE_REQUESTS else None
     )
-    if (
-        p99 is not None
-        and baseline is not None
-        and p99 > baseline * thresholds.max_p99_ratio + thresholds.p99_slack_ms
-    ):
+    if _slower(p99, baseline, thresholds.max_p99_ratio, thresholds.p99_slack_ms):
         return Judgement(
             False,
             f"p99 latency {p99:.1f} ms is over {thresholds.max_p99_ratio:g}x "
@@ -117,13 +113,23 @@ def early_failure(
 
 
 def _error_failure(candidate: dict[str, Any], thresholds: Thresholds) -> Judgement | None:
-    requests, errors = int(candidate["requests"]), int(candidate["errors"])
+    return _too_many_errors(
+        int(candidate["requests"]), int(candidate["errors"]), thresholds.max_error_rate
+    )
+
+
+def _slower(ours: float | None, theirs: float | None, ratio: float, slack_ms: float) -> bool:
+    """A p99 over `ratio` times another's plus `slack_ms` (never when either is unknown)."""
+    return ours is not None and theirs is not None and ours > theirs * ratio + slack_ms
+
+
+def _too_many_errors(
+    requests: int, errors: int, max_error_rate: float, what: str = "error rate"
+) -> Judgement | None:
     rate = errors / requests
-    if rate > thresholds.max_error_rate:
+    if rate > max_error_rate:
         return Judgement(
-            False,
-            f"error rate {rate:.1%} ({errors} of {requests}) is above "
-            f"{thresholds.max_error_rate:.1%}",
+            False, f"{what} {rate:.1%} ({errors} of {requests}) is above {max_error_rate:.1%}"
         )
     return None
 
@@ -163,12 +169,8 @@ def judge_shadow(
             None, f"{copies} shadow copies, fewer than the {thresholds.min_requests} needed"
         )
     errors = int(candidate["errors"])
-    if errors / copies > thresholds.max_error_rate:
-        return Judgement(
-            False,
-            f"shadow error rate {errors / copies:.1%} ({errors} of {copies}) is above "
-            f"{thresholds.max_error_rate:.1%}",
-        )
+    if failed := _too_many_errors(copies, errors, thresholds.max_error_rate, "shadow error rate"):
+        return failed
     agreement = candidate.get("agreement")
     floor = (noise_floor or {}).get("agreement")
     against = f" (noise floor {floor:.1%})" if floor is not None else ""
@@ -183,11 +185,7 @@ def judge_shadow(
             f"{thresholds.min_agreement:.1%}{against}",
         )
     ours, theirs = candidate.get("candidate_p99_ms"), candidate.get("live_p99_ms")
-    if (
-        ours is not None
-        and theirs is not None
-        and ours > theirs * thresholds.max_p99_ratio + thresholds.p99_slack_ms
-    ):
+    if _slower(ours, theirs, thresholds.max_p99_ratio, thresholds.p99_slack_ms):
         return Judgement(
             False,
             f"shadow p99 {ours:.1f} ms is over {thresholds.max_p99_ratio:g}x live's "

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+import ray
 from prefect import flow, get_run_logger
 from prefect.flow_runs import pause_flow_run, resume_flow_run
 from prefect.input import RunInput
@@ -156,7 +157,7 @@ def _watch(
                     "name": TIMEOUT_NAME,
                 },
             )
-        else:
+        elif ray.is_initialized():  # the rollout's connection (never start a Ray of its own)
             try:
                 failing = early_failure(route_figures(route, started).get(candidate), thresholds)
             except Exception:  # the route's state may be restarting: look again next time
@@ -210,6 +211,13 @@ def ask(
     timeline.add("approval", "waiting", f"for a person's approval {where}")
     timeline.publish(f"waiting for approval {where}")  # the chart so far, for the form
     title = f"v{candidate.version} on /{ctx.route} {where}"
+    get_run_logger().info(
+        "waiting for a person's approval: the form is on the subflow run 'approve %s' (this "
+        "run's Subflow Runs), or answer with `python -m deployments.approve %s --approve|"
+        "--abort --reason ... --name ...`",
+        title,
+        flow_run.id,
+    )
     decided = wait_for_approval(
         title=title,
         description=_description(timeline, title, gates, weight, since),
@@ -244,9 +252,9 @@ def _description(timeline: Timeline, title: str, gates: Gates, weight: float, si
     """The form's markdown: what is asked, the verdicts so far, the chart so far, and how
     to answer from a shell."""
     deadline = datetime.fromtimestamp(since + gates.approval_timeout_s, UTC)
-    rows = "\n".join(
-        f"| {e['stage']} | {e['outcome']} | {e['detail'].replace('|', '/')} |"
-        for e in timeline.entries
+    # A list, not a table: the form's modal is narrow, and a list wraps.
+    verdicts = "\n".join(
+        f"- **{e['stage']}** {e['outcome']}: {e['detail']}" for e in timeline.entries
     )
     chart = (
         f"[The rollout's chart so far]({timeline.chart_url})"
@@ -258,7 +266,7 @@ def _description(timeline: Timeline, title: str, gates: Gates, weight: float, si
         f"## Approve {title}?\n\n"
         f"The candidate serves {weight:.0%} of requests while this waits. Decide by "
         f"{deadline.isoformat(timespec='seconds')} (then: {gates.approval_on_timeout}).\n\n"
-        f"| stage | outcome | detail |\n|---|---|---|\n{rows}\n\n{chart}\n\n"
-        f"From a shell: `python -m deployments.approve {flow_run.id} --approve "
-        f"--reason '...' --name '...'` (or `--abort`). Rollout run: {run}"
+        f"{verdicts}\n\n{chart}\n\n"
+        f"From a shell:\n\n    python -m deployments.approve {flow_run.id} --approve "
+        f"--reason '...' --name '...'\n\n(or `--abort`). The rollout's run: {run}"
     )

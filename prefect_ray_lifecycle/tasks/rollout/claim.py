@@ -43,6 +43,7 @@ __all__ = [
     "hold_route",
     "limit_name",
     "mark_crashed",
+    "run_and_subflows",
 ]
 
 logger = get_logger(__name__)
@@ -234,11 +235,28 @@ def _renew(claim: RouteClaim, actor: Any, stop: threading.Event) -> None:
                 logger.warning("could not renew route %s's slot: %r", claim.route, error)
 
 
+def run_and_subflows(client: Any, run_id: uuid.UUID) -> list[Any]:
+    """A flow run and its subflows down to their own (reconcile -> serve-rollout ->
+    rollout-approval), the run first; ObjectNotFound when there is no such run."""
+    runs, parents = [client.read_flow_run(run_id)], [run_id]
+    for _ in range(SUBFLOW_DEPTH):
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=parents)
+            )
+        )
+        runs += children
+        parents = [run.id for run in children]
+        if not parents:
+            break
+    return runs
+
+
 def mark_crashed(holder: str, taken_over_by: str) -> list[str]:
     """The flow runs a dead holder left unfinished (itself when no worker saw it die, and its
-    subflows down to their own subflows: the serve-rollout a killed reconcile was running, the
-    approval a killed rollout was waiting for, Paused), marked Crashed with who took the
-    route over. Returns their ids."""
+    subflows down to their own: the serve-rollout a killed reconcile was running, the approval
+    a killed rollout was waiting for, Paused), marked Crashed with who took the route over.
+    Returns their ids."""
     try:
         holder_id = uuid.UUID(holder)
     except ValueError:
@@ -247,20 +265,9 @@ def mark_crashed(holder: str, taken_over_by: str) -> list[str]:
     marked = []
     with get_client(sync_client=True) as client:
         try:
-            runs = [client.read_flow_run(holder_id)]
+            runs = run_and_subflows(client, holder_id)
         except ObjectNotFound:  # a holder that was not a flow run
-            runs = []
-        parents = [holder_id]
-        for _ in range(SUBFLOW_DEPTH):
-            children = client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(
-                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=parents)
-                )
-            )
-            runs += children
-            parents = [run.id for run in children]
-            if not parents:
-                break
+            return []
         for run in runs:
             if run.state is not None and not run.state.is_final():
                 client.set_flow_run_state(run.id, Crashed(message=message), force=True)

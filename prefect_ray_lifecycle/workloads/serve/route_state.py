@@ -332,9 +332,13 @@ def route_series(
     actor = route_state(route, create=False)
     if actor is None:
         return {}
+    return ray.get(actor.series.remote(since, until, _bucket_s(since, until, points)), timeout=10)
+
+
+def _bucket_s(since: float, until: float | None, points: int) -> float:
+    """Buckets of at least a second, about `points` of them over [since, until]."""
     span = (until if until is not None else time.time()) - since
-    bucket_s = max(1.0, span / max(points, 1))
-    return ray.get(actor.series.remote(since, until, bucket_s), timeout=10)
+    return max(1.0, span / max(points, 1))
 
 
 def route_shadow(route: str, since: float, until: float | None = None) -> dict[str, Any]:
@@ -354,8 +358,7 @@ def route_shadow_series(
     actor = route_state(route, create=False)
     if actor is None:
         return {}
-    span = (until if until is not None else time.time()) - since
-    bucket_s = max(1.0, span / max(points, 1))
+    bucket_s = _bucket_s(since, until, points)
     return ray.get(actor.shadow_series.remote(since, until, bucket_s), timeout=10)
 
 

@@ -49,7 +49,7 @@ from prefect_ray_lifecycle.workloads.http import (
     BadRequest,
     describe,
     json_response,
-    parse_json,
+    peek_field,
     request_dict,
     tagged_headers,
     to_response,
@@ -187,7 +187,8 @@ class Router:
         self._start_background()
         config, inline = self.config, self.inline
         share = self.candidate_share(config)
-        lapsed = config.candidate is not None and share == 0.0
+        # In a shadow stage the share is 0 by design: lapsed means the lease is not held.
+        lapsed = config.candidate is not None and not self.state.holds(config.rollout)
         extra = {} if window_s is None else {"figures": await self._figures(window_s)}
         shown = config.as_dict()
         if shown["testers"]["token_sha256"]:  # a digest of a secret is still not shown
@@ -212,7 +213,7 @@ class Router:
             "load_error": self.load_error,
             "rejected_config": self.rejected_config,
             "shadow": {
-                "active": config.shadow is not None and share == 0.0 and not lapsed,
+                "active": config.shadow is not None and not lapsed,
                 **self.mirror.status(),
             },
             **extra,
@@ -502,14 +503,7 @@ def status_window(values: list[str]) -> int:
 
 def _wants_stream(req: dict[str, Any]) -> bool:
     """An OpenAI-style `"stream": true` request (LLM targets answer it in chunks)."""
-    body = req.get("body", b"")
-    if b'"stream"' not in body:
-        return False
-    try:
-        payload = parse_json(body)
-    except BadRequest:  # the target answers it with its own 4xx
-        return False
-    return isinstance(payload, dict) and payload.get("stream") is True
+    return peek_field(req.get("body", b""), "stream") is True
 
 
 def build_router_app(args: dict[str, Any]) -> Any:

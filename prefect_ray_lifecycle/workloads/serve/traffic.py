@@ -21,7 +21,7 @@ from prefect_ray_lifecycle.workloads.constants import (
     CANARY_TOKEN_HEADER,
     SESSION_HEADER,
 )
-from prefect_ray_lifecycle.workloads.http import BadRequest, describe, parse_json
+from prefect_ray_lifecycle.workloads.http import BadRequest, describe, peek_field
 
 __all__ = [
     "MAX_SESSION_KEY",
@@ -58,13 +58,7 @@ def episode_key(body: bytes) -> str | None:
     """A policy request's `episode_id` as a session key, when it is a usable one (a string of
     1 to MAX_SESSION_KEY characters, or an integer); None otherwise: the policy answers a bad
     one with its 422."""
-    if b'"episode_id"' not in body:
-        return None
-    try:
-        payload = parse_json(body)
-    except BadRequest:  # the version answers it with its own 4xx
-        return None
-    value = payload.get("episode_id") if isinstance(payload, dict) else None
+    value = peek_field(body, "episode_id")
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
