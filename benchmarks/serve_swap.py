@@ -317,7 +317,7 @@ def run(stack, threads: int, steady_s: float, rounds: int, shadow_s: float) -> d
         with ClosedLoop(port, f"/{STICKY}", threads, requests=sessions) as load:
             result = rollout_with(
                 7,
-                gates.model_copy(update={"canary_steps": steps, "canary_hold_s": 8}),
+                gates.model_copy(update={"canary_steps": steps, "canary_hold_s": 12}),
                 route=STICKY,
                 serving=sticky_serving,
             )

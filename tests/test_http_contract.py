@@ -331,7 +331,9 @@ def test_the_router_status_window_is_whole_seconds_or_a_json_400(route, query):
         assert response.status_code == 400 and "window_s" in status["error"], status
     else:
         assert response.status_code == 200, status
-        assert status["figures"] == {"window_s": window, "versions": status["figures"]["versions"]}
+        figures = status["figures"]
+        assert figures["window_s"] == window and "error" not in figures, figures
+        assert set(figures) == {"window_s", "versions", "testers", "shadow"}, figures
     assert_serving(route)
 
 
