@@ -13,6 +13,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefect_ray_lifecycle.control.canary import (
     ShadowThresholds,
@@ -360,3 +362,31 @@ def test_a_bad_episode_id_is_a_422_naming_it(core, episode):
     body = json.dumps({"observation": [0.0] * 4, "episode_id": episode}).encode()
     answer = core.answer(request({"content-type": "application/json"}, body))
     assert answer["status"] == 422 and "episode_id" in json.loads(answer["body"])["error"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    form=st.dictionaries(
+        st.sampled_from(["decision", "reason", "name", "extra"]),
+        st.none() | st.booleans() | st.integers() | st.text(max_size=600),
+        max_size=4,
+    )
+)
+def test_the_approval_form_takes_a_decision_a_reason_and_a_name_or_names_what_is_wrong(form):
+    """What the Prefect UI's form (or deployments.approve) may send: valid, or a validation
+    error naming the field (Prefect's server checks the same schema before resuming)."""
+    from pydantic import ValidationError
+
+    from prefect_ray_lifecycle.tasks.rollout.approval import ApprovalInput
+
+    try:
+        answer = ApprovalInput.model_validate(form)
+    except ValidationError as error:
+        assert {str(e["loc"][0]) for e in error.errors()} <= set(form) | {
+            "decision",
+            "reason",
+            "name",
+        }
+        return
+    assert answer.decision in ("approve", "abort") and answer.reason and answer.name
+    assert set(form) == {"decision", "reason", "name"}

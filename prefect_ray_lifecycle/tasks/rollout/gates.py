@@ -68,7 +68,7 @@ class SmokeResult(StageResult):
 class ShadowResult(StageResult):
     share: float
     applied_s: float  # from the stage's start until every router replica made copies
-    held_s: float
+    held_s: float  # since then
     candidate: dict[str, Any] | None  # the shadow's figures of the candidate's copies
     noise_floor: dict[str, Any] | None = None  # live's own app against live, the same way
     inconclusive: bool = False
@@ -94,7 +94,7 @@ def shadow_tags(figures: dict[str, Any]) -> dict[str, Any]:
 class CanaryResult(StageResult):
     weight: float
     applied_s: float  # from the step's start until every router replica served its share
-    held_s: float
+    held_s: float  # since then
     candidate: dict[str, Any] | None  # the router's figures of each version in the step
     live: dict[str, Any] | None
     candidate_llm: dict[str, Any] | None = None  # an LLM version's own tokens/s and TTFT
@@ -267,7 +267,8 @@ def shadow(
         return {
             "share": gates.shadow_share,
             "applied_s": applied_s,
-            "held_s": round(time.time() - started, 1),
+            # Held from when every router replica made copies, not from the write.
+            "held_s": round(time.time() - started - applied_s, 1),
             "candidate": seen["candidate"].get(candidate.version),
             "noise_floor": seen["noise_floor"].get(live.version) if noise_floor else None,
         }
@@ -338,7 +339,7 @@ def canary_step(
                 f"at {weight:.0%}: {early.reason}",
                 {"weight": weight, "candidate": candidate_figures, "live": stats.get(live.version)},
             )
-        held = time.time() - started
+        held = time.time() - started - applied_s  # since every router replica serves it
         enough = (candidate_figures or {}).get("requests", 0) >= thresholds.min_requests
         if held >= gates.canary_hold_s and enough:
             break
@@ -354,7 +355,7 @@ def canary_step(
     figures = {
         "weight": weight,
         "applied_s": applied_s,
-        "held_s": round(time.time() - started, 1),
+        "held_s": round(time.time() - started - applied_s, 1),
         "candidate": candidate_figures,
         "live": stats.get(live.version),
     }
