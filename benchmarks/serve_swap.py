@@ -1,31 +1,46 @@
-"""Closed-loop load through the router during four rollouts, and steady-state throughput
-through the router versus straight to the version's own app, in one run on one cluster.
+"""Closed-loop load through the router during four rollouts, the cost and verdicts of the
+shadow stage and of sticky sessions, and steady-state throughput through the router versus
+straight to the version's own app, in one run on one cluster.
 
-    python -m benchmarks.serve_swap [--threads 4] [--steady-s 10]
+    python -m benchmarks.serve_swap [--threads 4] [--steady-s 10] [--shadow-s 8]
 
 (a) a good rollout, (b) a candidate whose health check fails after it looked healthy,
 (c) a candidate erroring on half its requests (aborted at the canary), (d) a degradation
 injected after the swap (rolled back). Each reports the answers users got (`non_2xx`) and how
 many of them the router answered from the previous version after the candidate failed them
-(`fallbacks`). Then the router (hosting the live version in process) and a direct route to
-the same version's app are loaded in turn, alternating over `--rounds`; medians reported.
+(`fallbacks`).
+(e) `shadow`: open-loop load at half the router's measured capacity, with every request
+copied to an identical candidate (share 1.0) and without, in alternating windows: users'
+p50 and p99 each way (`user_p99_ratio`, goal <= 1.05), the shadow's `agreement` and its
+`dropped_copies`. (f) `shadow_reject`: a candidate that answers differently on 30% of
+inputs, rejected at its shadow stage under load: `candidate_answers_to_users` (goal 0).
+(g) `sticky`: a few hundred sessions through two canary steps on a route with two router
+replicas: `sessions_switched` within a step (goal 0, fallbacks excluded) and `session_share`
+against each step's weight.
+Then the router (hosting the live version in process) and a direct route to the same
+version's app are loaded in turn, alternating over `--rounds`; medians reported.
 Last line: one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
 import uuid
 from typing import Any
 
-from deployments.load import ClosedLoop
+from deployments.load import ClosedLoop, OpenLoop
 from prefect_ray_lifecycle.workloads.figures import percentile
 
 ROUTE = "bench"
 DIRECT = "bench-direct"
+STICKY = "bench-sticky"
+SHADOW_CANDIDATE = "bench-shadow-candidate"
+SESSIONS = 200
+VERSIONS = 8
 
 
 def steady(port: int, path: str, threads: int, seconds: float) -> tuple[float, float]:
@@ -42,18 +57,112 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--steady-s", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=3, help="steady-state rounds (>= 3)")
+    parser.add_argument(
+        "--shadow-s", type=float, default=8.0, help="each shadow-on and shadow-off window"
+    )
     args = parser.parse_args(argv)
 
     from deployments.stack import pointed_at, temporary_stack
 
     with temporary_stack(ray_num_cpus=4, prefix="bench-serve-") as stack:
         with pointed_at(stack):
-            result = run(stack, args.threads, args.steady_s, max(3, args.rounds))
+            result = run(stack, args.threads, args.steady_s, max(3, args.rounds), args.shadow_s)
     print(json.dumps(result))
     return 0
 
 
-def run(stack, threads: int, steady_s: float, rounds: int) -> dict[str, Any]:
+def observations(n: int) -> tuple[bytes, dict[str, str]]:
+    """Varied CartPole observations (four per request): agreement on one input proves little."""
+    import numpy as np
+
+    rng = np.random.default_rng(n)
+    return json.dumps({"observations": rng.uniform(-0.5, 0.5, (4, 4)).tolist()}).encode(), {}
+
+
+def sessions(n: int) -> tuple[bytes, dict[str, str]]:
+    """The n-th request of SESSIONS interleaved sessions (X-Session-Id)."""
+    body, _ = observations(n)
+    return body, {"X-Session-Id": f"s{n % SESSIONS}"}
+
+
+def window_latencies(load: OpenLoop, skip_s: float = 1.0) -> tuple[float, float]:
+    """p50 and p99 of a window's 200 answers, after its first `skip_s` seconds."""
+    first = min((a.at for a in load.answers), default=0.0)
+    kept = [a.latency_ms for a in load.answers if a.status == 200 and a.at >= first + skip_s]
+    return percentile(kept, 0.5), percentile(kept, 0.99)
+
+
+def shadow_cost(port: int, name: str, live: str, shadow_s: float, rounds: int) -> dict[str, Any]:
+    """Users' latency with every request copied to an identical candidate, against the same
+    open-loop load (half the measured capacity) without copies, in alternating windows."""
+    from deployments import drive
+    from prefect_ray_lifecycle.control import serve_control
+    from prefect_ray_lifecycle.workloads.serve.route_state import route_shadow
+    from prefect_ray_lifecycle.workloads.serve.router_config import Shadow, Target
+
+    capacity, _ = steady(port, f"/{ROUTE}", 4, 5.0)
+    rate = capacity / 2
+    router = serve_control.current_router(ROUTE)
+    candidate = Target(live, SHADOW_CANDIDATE, "policy", router.live.model)
+    shadow = Shadow(1.0, max_per_s=rate * 2)  # the cap above the load: every request copied
+    on, off, since = [], [], time.time()
+    for round_ in range(rounds):
+        for copying in (round_ % 2 == 0, round_ % 2 == 1):
+            held = (
+                drive.held(ROUTE, candidate=candidate, shadow=shadow, rollout={"stage": "shadow"})
+                if copying
+                else contextlib.nullcontext()
+            )
+            with held, OpenLoop(port, f"/{ROUTE}", rate, requests=observations) as load:
+                time.sleep(shadow_s)
+            (on if copying else off).append(window_latencies(load))
+    figures = route_shadow(ROUTE, since)["candidate"].get(live) or {}
+    p99_on, p99_off = (statistics.median(r[1] for r in runs) for runs in (on, off))
+    return {
+        "capacity_rps": round(capacity, 1),
+        "offered_rps": round(rate, 1),
+        "user_p50_ms": round(statistics.median(r[0] for r in off), 2),
+        "user_p50_ms_shadowed": round(statistics.median(r[0] for r in on), 2),
+        "user_p99_ms": round(p99_off, 2),
+        "user_p99_ms_shadowed": round(p99_on, 2),
+        "user_p99_ratio": round(p99_on / p99_off, 3),
+        "copies": figures.get("copies", 0),
+        "agreement": figures.get("agreement"),
+        "dropped_copies": figures.get("dropped", 0),
+        "rounds": rounds,
+    }
+
+
+def sticky_sessions(result: Any, load: ClosedLoop, steps: list[float]) -> dict[str, Any]:
+    """Sessions that saw two versions within one canary step (fallbacks excluded), and the
+    share of sessions on the candidate in each step."""
+    from deployments.watch import sessions_per_step, stage_windows
+
+    names = [f"canary {w:.0%}" for w in steps]
+    windows = stage_windows(result.timeline, names)
+    seen, fallbacks = sessions_per_step(load.answers, windows, lambda a: a.session)
+    version = result.version
+    return {
+        "sessions": SESSIONS,
+        "requests": len(load.answers),
+        "sessions_switched": sum(
+            1 for versions in seen.values() for v in versions.values() if len(v) > 1
+        ),
+        "fallbacks_excluded": fallbacks,
+        "session_share": {
+            name: {
+                "weight": weight,
+                "share": round(
+                    sum(v == {version} for v in seen[name].values()) / max(len(seen[name]), 1), 3
+                ),
+                "sessions_seen": len(seen[name]),
+            }
+            for name, weight in zip(names, steps, strict=True)
+        },
+    }
+
+
+def run(stack, threads: int, steady_s: float, rounds: int, shadow_s: float) -> dict[str, Any]:
     from mlflow import MlflowClient
     from ray.rllib.algorithms.ppo import PPOConfig
 
@@ -87,7 +196,7 @@ def run(stack, threads: int, steady_s: float, rounds: int) -> dict[str, Any]:
         algo = PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0).build_algo()
         checkpoint = algo.save(str(stack.state_dir / "checkpoint")).checkpoint.path
         algo.stop()
-        for trial in range(5):
+        for trial in range(VERSIONS):
             registry.register_checkpoint(
                 client,
                 name=name,
@@ -98,12 +207,19 @@ def run(stack, threads: int, steady_s: float, rounds: int) -> dict[str, Any]:
             )
         serve_control.start(cluster.serve_host, port)
 
-        def rollout(version: int, drill: Drill | None = None, expect_failure: bool = False):
+        def rollout_with(
+            version: int,
+            gates: Gates,
+            drill: Drill | None = None,
+            route: str = ROUTE,
+            serving: Serving = serving,
+        ):
+            """The rollout's result, or None when it was rejected or rolled back."""
             try:
                 return serve_rollout(
                     model_name=name,
                     version=str(version),
-                    route=ROUTE,
+                    route=route,
                     gates=gates,
                     serving=serving,
                     drill=drill,
@@ -111,9 +227,13 @@ def run(stack, threads: int, steady_s: float, rounds: int) -> dict[str, Any]:
                     mlflow_server=server,
                 )
             except RolloutFailed:
-                if not expect_failure:
-                    raise
                 return None
+
+        def rollout(version: int, drill: Drill | None = None, expect_failure: bool = False):
+            result = rollout_with(version, gates, drill)
+            if result is None and not expect_failure:
+                raise RuntimeError(f"the rollout of v{version} failed")
+            return result
 
         rollout(1)
         with ClosedLoop(port, f"/{ROUTE}", threads) as load:
@@ -147,23 +267,65 @@ def run(stack, threads: int, steady_s: float, rounds: int) -> dict[str, Any]:
             "seconds_to_rollback": round(max(failing) - min(failing), 2) if failing else None,
         }
 
-        # Steady state: the router hosts v2 in process; a second app of v2 gets its own route.
         live = registry.resolve_alias(client, name, registry.LIVE).version
         runtime_env = serve_control.app_configs()[serve_control.version_app_name(name, live)][
             "runtime_env"
         ]
-        app = serve_control.version_app_config(
-            DIRECT,
-            {"name": name, "version": live, "tracking_uri": stack.mlflow_uri},
-            serving.version_options(),
-            {},
-            runtime_env,
+
+        def second_app(app: str, route_prefix: str | None = None) -> None:
+            """Another app of the live version (the shadow's identical candidate, or the
+            steady state's direct route)."""
+            config = serve_control.version_app_config(
+                app,
+                {"name": name, "version": live, "tracking_uri": stack.mlflow_uri},
+                serving.version_options(),
+                {},
+                runtime_env,
+            )
+            if route_prefix:
+                config = {**config, "route_prefix": route_prefix}
+            serve_control.apply({app: config})
+            if not serve_control.wait_stable(
+                app, POLICY_DEPLOYMENT, timeout_s=180, window_s=1
+            ).healthy:
+                raise RuntimeError(f"the app {app} did not start")
+
+        # (e) The shadow's cost to users, with an identical candidate.
+        second_app(SHADOW_CANDIDATE)
+        figures["shadow"] = shadow_cost(port, name, live, shadow_s, rounds)
+        serve_control.apply(deletes={SHADOW_CANDIDATE})
+
+        # (f) A candidate that answers differently: rejected at shadow, seen by no user.
+        shadow_gates = gates.model_copy(
+            update={"shadow_share": 1.0, "shadow_hold_s": 4, "shadow_min_requests": 30}
         )
-        serve_control.apply({DIRECT: {**app, "route_prefix": f"/{DIRECT}"}})
-        if not serve_control.wait_stable(
-            DIRECT, POLICY_DEPLOYMENT, timeout_s=180, window_s=1
-        ).healthy:
-            raise RuntimeError("the direct app did not start")
+        with ClosedLoop(port, f"/{ROUTE}", threads, requests=observations) as load:
+            promoted = rollout_with(6, shadow_gates, Drill(faults={"disagree_rate": 0.3}))
+        tags = client.get_model_version(name, "6").tags
+        figures["shadow_reject"] = {
+            **load.summary(),
+            "rejected_at": tags.get(f"{registry.TAG}.rollout.stage"),
+            "agreement": float(tags.get(f"{registry.TAG}.rollout.shadow_agreement", "nan")),
+            "candidate_answers_to_users": sum(1 for a in load.answers if a.version == "6"),
+            "outcome": "rejected" if promoted is None else "promoted",
+        }
+
+        # (g) Sticky sessions through two canary steps, two router replicas.
+        sticky_serving = serving.model_copy(update={"router_replicas": 2})
+        steps = [0.2, 0.5]
+        rollout_with(1, gates, route=STICKY, serving=sticky_serving)
+        with ClosedLoop(port, f"/{STICKY}", threads, requests=sessions) as load:
+            result = rollout_with(
+                7,
+                gates.model_copy(update={"canary_steps": steps, "canary_hold_s": 12}),
+                route=STICKY,
+                serving=sticky_serving,
+            )
+        figures["sticky"] = sticky_sessions(result, load, steps)
+        serve_control.delete_route(STICKY, name)
+
+        # Steady state: the router hosts v2 in process; a second app of v2 gets its own route.
+        second_app(DIRECT, f"/{DIRECT}")
         serve_control.wait_router(
             ROUTE,
             serve_control.router_status(ROUTE, 1)[0]["config"]["generation"],

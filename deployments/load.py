@@ -1,20 +1,27 @@
 """Closed-loop HTTP load on a route, recording what every answer said: its status, the
-version that answered (X-Model-Version), the version it fell back from (X-Fallback-From) and
-its latency. The tests, the serving benchmarks and the demo watch rollouts through it."""
+version that answered (X-Model-Version), the version it fell back from (X-Fallback-From), its
+latency and the session it belonged to (X-Session-Id). The tests, the serving benchmarks and
+the demo watch rollouts through it."""
 
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prefect_ray_lifecycle.workloads.constants import FALLBACK_HEADER, VERSION_HEADER
+from prefect_ray_lifecycle.workloads.constants import (
+    FALLBACK_HEADER,
+    SESSION_HEADER,
+    VERSION_HEADER,
+)
 from prefect_ray_lifecycle.workloads.figures import percentile
 
-__all__ = ["OBSERVATION", "Answer", "ClosedLoop"]
+__all__ = ["OBSERVATION", "Answer", "ClosedLoop", "OpenLoop", "Request"]
 
 OBSERVATION = [0.01, -0.02, 0.03, 0.04]  # a CartPole observation
 
@@ -27,11 +34,38 @@ class Answer:
     fallback_from: str | None
     latency_ms: float
     body: bytes
+    session: str | None = None  # the X-Session-Id it was sent with
+    request: int | None = None  # which request it answered (n, for a `requests` load)
+
+
+# The n-th request a load sends: its body and extra headers.
+Request = Callable[[int], tuple[bytes, dict[str, str]]]
+
+
+def _post(
+    connection: http.client.HTTPConnection, path: str, body: bytes, headers: dict[str, str]
+) -> tuple[int, str | None, str | None, bytes]:
+    """One request: (status, X-Model-Version, X-Fallback-From, body); status 0 and the error
+    for no answer (refused or reset: the connection is closed, make another)."""
+    try:
+        connection.request("POST", path, body, headers)
+        response = connection.getresponse()
+        answer = response.read()
+        return (
+            response.status,
+            response.getheader(VERSION_HEADER),
+            response.getheader(FALLBACK_HEADER),
+            answer,
+        )
+    except (OSError, http.client.HTTPException) as error:
+        connection.close()
+        return 0, None, None, repr(error).encode()
 
 
 class ClosedLoop:
     """`threads` clients on http://host:port/path, each sending its next request when the
-    last one is answered (after `pause_s`)."""
+    last one is answered (after `pause_s`): `body` with `headers` each time, or what
+    `requests(n)` makes of the n-th request."""
 
     def __init__(
         self,
@@ -42,11 +76,16 @@ class ClosedLoop:
         body: bytes | None = None,
         content_type: str = "application/json",
         host: str = "127.0.0.1",
+        headers: dict[str, str] | None = None,
+        requests: Request | None = None,
     ):
         self.host, self.port, self.path = host, port, path
         self.pause_s = pause_s
         self.body = body if body is not None else json.dumps({"observation": OBSERVATION}).encode()
         self.content_type = content_type
+        self.headers = dict(headers or {})
+        self.requests = requests
+        self._count = itertools.count()
         self.answers: list[Answer] = []
         self._stop = threading.Event()
         self._workers = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
@@ -56,22 +95,21 @@ class ClosedLoop:
 
     def _run(self) -> None:
         connection = self._connect()
-        headers = {"content-type": self.content_type}
         while not self._stop.is_set():
+            body, extra, n = self.body, self.headers, None
+            if self.requests is not None:
+                n = next(self._count)
+                body, extra = self.requests(n)
+            headers = {"content-type": self.content_type, **extra}
             started = time.perf_counter()
-            try:
-                connection.request("POST", self.path, self.body, headers)
-                response = connection.getresponse()
-                body = response.read()
-                status = response.status
-                version = response.getheader(VERSION_HEADER)
-                fallback = response.getheader(FALLBACK_HEADER)
-            except (OSError, http.client.HTTPException) as error:
-                status, version, fallback, body = 0, None, None, repr(error).encode()
-                connection.close()
+            status, version, fallback, body = _post(connection, self.path, body, headers)
+            if status == 0:
                 connection = self._connect()
             latency = (time.perf_counter() - started) * 1000
-            self.answers.append(Answer(time.time(), status, version, fallback, latency, body))
+            session = headers.get(SESSION_HEADER)
+            self.answers.append(
+                Answer(time.time(), status, version, fallback, latency, body, session, n)
+            )
             if self.pause_s:
                 self._stop.wait(self.pause_s)
 
@@ -100,3 +138,72 @@ class ClosedLoop:
             "fallbacks": sum(1 for a in self.answers if a.fallback_from),
             "p99_ms": round(p99, 1) if p99 is not None else None,
         }
+
+
+class OpenLoop:
+    """Open-loop load: requests sent at `rate_per_s`, on schedule whether or not earlier ones
+    were answered (up to `threads` in flight), each answer's latency counted from when it was
+    due, so that a slow server's queueing shows (no coordinated omission). `requests(n)`
+    makes the n-th request, as for ClosedLoop."""
+
+    def __init__(
+        self,
+        port: int,
+        path: str,
+        rate_per_s: float,
+        threads: int = 16,
+        requests: Request | None = None,
+        host: str = "127.0.0.1",
+    ):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.host, self.port, self.path, self.rate = host, port, path, rate_per_s
+        self.requests = requests or (
+            lambda n: (json.dumps({"observation": OBSERVATION}).encode(), {})
+        )
+        self.answers: list[Answer] = []
+        self.late = 0  # requests that found every thread busy at their time
+        self._pool = ThreadPoolExecutor(threads)
+        self._local = threading.local()
+        self._stop = threading.Event()
+        self._scheduler = threading.Thread(target=self._schedule, daemon=True)
+        self._busy = threading.Semaphore(threads)
+
+    def _schedule(self) -> None:
+        started = time.perf_counter()
+        for n in itertools.count():
+            due = started + n / self.rate
+            if self._stop.wait(max(0.0, due - time.perf_counter())):
+                return
+            if not self._busy.acquire(blocking=False):
+                self.late += 1
+                self._busy.acquire()
+            self._pool.submit(self._send, n, due)
+
+    def _send(self, n: int, due: float) -> None:
+        try:
+            connection = getattr(self._local, "connection", None)
+            if connection is None:
+                connection = self._local.connection = http.client.HTTPConnection(
+                    self.host, self.port, timeout=60
+                )
+            body, extra = self.requests(n)
+            headers = {"content-type": "application/json", **extra}
+            status, version, fallback, answer = _post(connection, self.path, body, headers)
+            if status == 0:
+                self._local.connection = None
+            latency = (time.perf_counter() - due) * 1000
+            self.answers.append(
+                Answer(time.time(), status, version, fallback, latency, answer, None, n)
+            )
+        finally:
+            self._busy.release()
+
+    def __enter__(self) -> OpenLoop:
+        self._scheduler.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._scheduler.join(timeout=10)
+        self._pool.shutdown(wait=True)

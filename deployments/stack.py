@@ -135,11 +135,15 @@ def deployed(
     stack: Stack,
     routes: tuple[str, ...] = ("policy",),
     parameters: dict[str, dict[str, Any]] | None = None,
+    webhook: bool = True,
 ) -> Iterator[setup.Environment]:
-    """What a user does on the stack: `deployments.setup` (blocks, pool, limits, webhook),
-    `prefect --no-prompt deploy --all`, default parameters overridden per deployment
-    ("flow/deployment": {name: value}), and a process worker, stopped by pid at the end."""
+    """What a user does on the stack: `deployments.setup` (blocks, pool, limits, and unless
+    `webhook` is False the MLflow webhook), `prefect --no-prompt deploy --all`, default
+    parameters overridden per deployment ("flow/deployment": {name: value}), and a process
+    worker, stopped by pid at the end."""
     env = environment(stack, routes)
+    if not webhook:  # e.g. a second Prefect server on the stack: MLflow's webhook stays put
+        env = dataclasses.replace(env, receiver_url=None)
     cli_env = {**os.environ, **env.client_env}
     with setup.prefect_api(stack.prefect_api_url):
         setup.prepare(env)

@@ -5,10 +5,12 @@
 
 One `GET <url>/-/status?window_s=N` gives the router's live and candidate versions, the
 candidate's weight and the share it is served (none once its rollout's lease lapsed), the
-lease, and each version's requests, errors, fallbacks and latency over the last N seconds, as
-every router replica reported them. MLflow gives the model's aliases and the last rollout
-verdicts (the `lifecycle.rollout.*` tags), newest first. The model is the one the router's
-live version names, else --model. Prints terminal tables, or one JSON object with --json.
+lease, a rollout waiting for approval, and each version's requests, errors, fallbacks and
+latency over the last N seconds, as every router replica reported them; a shadow stage's
+agreement with live (and the noise floor), and testers' requests, apart. MLflow gives the
+model's aliases and the last rollout verdicts (the `lifecycle.rollout.*` tags), newest
+first. The model is the one the router's live version names, else --model. Prints terminal
+tables, or one JSON object with --json.
 
 Exit status: 0 when the route answered (MLflow unreachable is reported, not fatal), 2 when
 nothing listens at the URL or what answers there is not a router.
@@ -180,6 +182,8 @@ def gather(
         "serving": status.get("serving"),
         "inline_version": status.get("inline_version"),
         "rejected_config": status.get("rejected_config"),
+        "shadow": config.get("shadow"),
+        "testers": (config.get("testers") or {}).get("mode", "off"),
         "figures": figures,
         "aliases": view.get("aliases", {}),
         "verdicts": view.get("verdicts", []),
@@ -231,6 +235,13 @@ def render(now: dict[str, Any]) -> str:
         )
     else:
         out.append("candidate  none")
+    if now.get("shadow"):
+        shadow = now["shadow"]
+        out.append(
+            f"shadow     {shadow['share']:.0%} of requests copied to the candidate (at most "
+            f"{shadow['max_per_s']:g}/s per router replica)"
+            f"{'; and to live again, the noise floor' if shadow.get('noise_floor') else ''}"
+        )
     if now["previous"]:
         out.append(f"previous   {_target(now['previous'])} (kept during the bake)")
     rollout = now["rollout"]
@@ -240,6 +251,13 @@ def render(now: dict[str, Any]) -> str:
             f"lease {'held' if lease.get('held') else 'NOT held'}"
             f"{' (lapsed: live only)' if lease.get('lapsed') else ''}"
         )
+        if rollout.get("approval"):
+            approval = rollout["approval"]
+            out.append(
+                f"approval   waiting for a person ({approval['point'].replace('_', ' ')}, "
+                f"candidate at {approval['weight']:.0%}): python -m deployments.approve "
+                f"{rollout['holder']} --approve|--abort --reason ... --name ..."
+            )
     else:
         out.append(
             f"rollout    none{'; lease held by ' + lease['holder'] if lease.get('held') else ''}"
@@ -283,6 +301,15 @@ def render(now: dict[str, Any]) -> str:
         ]
         headers = ["version", "role", "requests", "errors", "error rate", "fallbacks"]
         out.append(table([*headers, "p50 ms", "p99 ms"], rows, right={2, 3, 4, 5, 6, 7}))
+    out += _shadow_lines(figures.get("shadow") or {})
+    testers = figures.get("testers") or {}
+    if testers:
+        out.append(
+            "testers    (X-Canary, not in the gates' figures) "
+            + ", ".join(
+                f"v{v}: {f['requests']} requests, {f['errors']} errors" for v, f in testers.items()
+            )
+        )
 
     out += ["", "last rollout verdicts"]
     if "mlflow_error" in now:
@@ -296,6 +323,42 @@ def render(now: dict[str, Any]) -> str:
         ]
         out.append(table(["version", "verdict", "stage", "route", "at (UTC)", "reason"], rows))
     return "\n".join(out)
+
+
+def _share(value: Any) -> str | None:
+    return None if value is None else f"{value:.1%}"
+
+
+def _difference(figures: dict[str, Any]) -> str | None:
+    """An LLM's common token prefix share, or a policy's mean total variation distance."""
+    if figures.get("token_prefix") is not None:
+        return f"prefix {figures['token_prefix']:.1%}"
+    return None if figures.get("tvd") is None else f"tvd {figures['tvd']:.3f}"
+
+
+def _shadow_lines(shadow: dict[str, Any]) -> list[str]:
+    """The shadow's comparisons per version: the candidate's against live, and the noise
+    floor (live's own app against live)."""
+    rows = [
+        [
+            version,
+            "candidate" if role == "candidate" else "noise floor",
+            f["copies"],
+            f["errors"],
+            f["dropped"],
+            _share(f["agreement"]),
+            _difference(f),
+            _ms(f["candidate_p99_ms"]),
+            _ms(f["live_p99_ms"]),
+        ]
+        for role in ("candidate", "noise_floor")
+        for version, f in sorted((shadow.get(role) or {}).items())
+    ]
+    if not rows:
+        return []
+    headers = ["version", "against live", "copies", "errors", "dropped", "agreement"]
+    headers += ["tvd/prefix", "its p99 ms", "live p99 ms"]
+    return ["", "shadow", table(headers, rows, right={2, 3, 4, 5, 6, 7, 8})]
 
 
 def _cut(text: str | None, limit: int) -> str | None:

@@ -11,7 +11,15 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["deployment_runs", "kill_flow_run", "route_status", "started_run", "wait_for"]
+__all__ = [
+    "deployment_runs",
+    "kill_flow_run",
+    "route_status",
+    "sessions_per_step",
+    "stage_windows",
+    "started_run",
+    "wait_for",
+]
 
 T = TypeVar("T")
 
@@ -65,3 +73,36 @@ def route_status(port: int, route: str, host: str = "127.0.0.1") -> dict[str, An
     """The router's own `GET /<route>/-/status`."""
     with urllib.request.urlopen(f"http://{host}:{port}/{route}/-/status", timeout=10) as answer:
         return json.loads(answer.read())
+
+
+def stage_windows(
+    timeline: list[dict[str, Any]], stages: list[str], margin_s: float = 1.0
+) -> dict[str, tuple[float, float]]:
+    """When each of a rollout's traffic `stages` (timeline entries with `applied_s`: a
+    shadow, canary steps) had its config on every router replica, until it ended, `margin_s`
+    inside both ends (time.time())."""
+    entries = {e["stage"]: e for e in timeline}
+    order = [e["stage"] for e in timeline]
+    windows = {}
+    for name in stages:
+        previous = entries[order[order.index(name) - 1]]
+        start = previous["at"] + entries[name]["figures"]["applied_s"] + margin_s
+        windows[name] = (start, entries[name]["at"] - margin_s)
+    return windows
+
+
+def sessions_per_step(
+    answers: list[Any], windows: dict[str, tuple[float, float]], session_of: Callable[[Any], str]
+) -> tuple[dict[str, dict[str, set[str]]], int]:
+    """Per window, each session's set of versions that answered it (`session_of(answer)`),
+    and how many fallback answers were left out (the one exception, and they say so)."""
+    seen: dict[str, dict[str, set[str]]] = {name: {} for name in windows}
+    fallbacks = 0
+    for answer in answers:
+        for name, (start, end) in windows.items():
+            if start < answer.at < end:
+                if answer.fallback_from:
+                    fallbacks += 1
+                else:
+                    seen[name].setdefault(session_of(answer), set()).add(answer.version)
+    return seen, fallbacks

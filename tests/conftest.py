@@ -182,3 +182,18 @@ def checkpoints(stack, tmp_path_factory):
                     parameter[0] = 10.0
     module.save_to_path(module_path(bad))
     return {"good": str(good), "bad": str(bad)}
+
+
+@pytest.fixture(scope="module")
+def core():
+    """An untrained CartPole PPO module behind the policy contract (what a version serves),
+    in this process: no services."""
+    import gymnasium as gym
+    from ray.rllib.algorithms.ppo import PPOConfig
+
+    from prefect_ray_lifecycle.workloads.serve.policy import ModelSpec, PolicyCore
+
+    env = gym.make("CartPole-v1")
+    spec = PPOConfig().environment("CartPole-v1").get_rl_module_spec(env=env)
+    spec.observation_space, spec.action_space = env.observation_space, env.action_space
+    return PolicyCore(ModelSpec("untrained", "1", "http://127.0.0.1:1"), module=spec.build())

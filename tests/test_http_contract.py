@@ -43,7 +43,7 @@ from prefect_ray_lifecycle.workloads.llm.protocol import (
     generation_budget,
     parse_json_body,
 )
-from prefect_ray_lifecycle.workloads.serve.policy import MAX_BATCH, ModelSpec, PolicyCore
+from prefect_ray_lifecycle.workloads.serve.policy import MAX_BATCH, PolicyCore
 from prefect_ray_lifecycle.workloads.serve.router import (
     MAX_STATUS_WINDOW_S,
     STATUS_WINDOW_S,
@@ -56,18 +56,6 @@ FUZZ = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-
-
-@pytest.fixture(scope="module")
-def core() -> PolicyCore:
-    """An untrained CartPole PPO module behind the policy contract (what a version serves)."""
-    import gymnasium as gym
-    from ray.rllib.algorithms.ppo import PPOConfig
-
-    env = gym.make("CartPole-v1")
-    spec = PPOConfig().environment("CartPole-v1").get_rl_module_spec(env=env)
-    spec.observation_space, spec.action_space = env.observation_space, env.action_space
-    return PolicyCore(ModelSpec("fuzzed", "1", "http://127.0.0.1:1"), module=spec.build())
 
 
 def ask(core: PolicyCore, method: str, content_type: str, body: bytes) -> dict:
@@ -343,7 +331,9 @@ def test_the_router_status_window_is_whole_seconds_or_a_json_400(route, query):
         assert response.status_code == 400 and "window_s" in status["error"], status
     else:
         assert response.status_code == 200, status
-        assert status["figures"] == {"window_s": window, "versions": status["figures"]["versions"]}
+        figures = status["figures"]
+        assert figures["window_s"] == window and "error" not in figures, figures
+        assert set(figures) == {"window_s", "versions", "testers", "shadow"}, figures
     assert_serving(route)
 
 

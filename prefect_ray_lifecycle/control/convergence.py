@@ -17,7 +17,8 @@ __all__ = ["FAILED_VERDICTS", "Observed", "Step", "next_step"]
 FAILED_VERDICTS = ("rejected", "rolled_back")
 
 StepKind = Literal[
-    "withdraw",  # a rollout died during its canary: take the candidate back
+    "withdraw",  # a rollout died during its shadow or canary: take the candidate back
+    "reapprove",  # a rollout died waiting for a person's approval: ask again
     "rebake",  # a rollout died during its bake: bake the new version again, then decide
     "restore",  # nothing healthy serves the route: deploy `version` through the gates
     "realign",  # the route serves something other than `live`: roll `live` out again
@@ -50,10 +51,17 @@ def next_step(seen: Observed) -> Step:
     router = seen.router
     record = router.rollout if router is not None else None
     if record is not None and record.holder != seen.holder:
-        if record.stage == "canary":
+        if record.approval is not None and router.candidate is not None:
+            return Step(
+                "reapprove",
+                f"rollout {record.holder} of v{record.version} stopped waiting for approval at "
+                f"{record.approval.weight:.0%}: asking again",
+                record.version,
+            )
+        if record.stage in ("shadow", "canary"):
             return Step(
                 "withdraw",
-                f"rollout {record.holder} of v{record.version} stopped during its canary",
+                f"rollout {record.holder} of v{record.version} stopped during its {record.stage}",
                 record.version,
             )
         return Step(

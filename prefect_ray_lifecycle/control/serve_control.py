@@ -324,7 +324,7 @@ def handle(app: str, deployment: str) -> Any:
     return _HANDLES[key]
 
 
-def router_status(route: str, samples: int = 3, timeout_s: float = 15.0) -> list[dict]:
+def router_status(route: str, samples: int = 6, timeout_s: float = 15.0) -> list[dict]:
     """The router replicas' own view of what they serve (a few calls through its handle)."""
     router = handle(router_app_name(route), ROUTER_DEPLOYMENT)
     return [router.status.remote().result(timeout_s=timeout_s) for _ in range(samples)]

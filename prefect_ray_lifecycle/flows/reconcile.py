@@ -7,6 +7,9 @@ itself as well as the aliases, and takes one step at a time until they agree
 route that lost its router (a restarted Ray head), re-rolls `live` onto a router serving
 something else, then rolls the champion out unless it already failed a rollout.
 
+A rollout that died waiting for a person's approval is asked again, under this run: an
+unapproved candidate is never swapped in.
+
 It runs when `champion` moves (MLflow webhook -> Prefect event -> trigger), when a rollout or
 reconcile run crashes (an automation on its Crashed event), and on its interval schedule as
 the safety net for a lost event.
@@ -37,6 +40,7 @@ from prefect_ray_lifecycle.workloads.serve.router_config import TargetKind
 MAX_STEPS = 4  # recover, restore or realign, then roll the champion out: never more
 ACTIONS = {
     "withdraw": "recovered",
+    "reapprove": "recovered",
     "rebake": "recovered",
     "restore": "restored",
     "realign": "realigned",
@@ -166,7 +170,7 @@ def reconcile(
                     logger.info("%s: %s", step.kind, step.reason)
                     if step.kind not in ACTIONS:
                         break
-                    if step.kind in ("withdraw", "rebake"):
+                    if step.kind in ("withdraw", "rebake", "reapprove"):
                         ctx = route_context(route, cluster, serving, gates, claim, kind, llm)
                         rollout = finish_interrupted(
                             ctx, seen.router, model_name, gates, server, url

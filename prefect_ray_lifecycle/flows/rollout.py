@@ -1,7 +1,9 @@
 """serve_rollout: a registered version reaches a stable Serve route only through gates.
 
-candidate app -> healthy and staying healthy -> smoke -> canary steps through the router
--> swap (MLflow alias `live` moves) -> bake -> retire the previous version, or roll back.
+candidate app -> healthy and staying healthy -> smoke -> shadow (its answers compared with
+live's, no user gets one) -> canary steps through the router (sessions stay on one version)
+-> [a person's approval in the Prefect UI] -> swap (MLflow alias `live` moves) -> bake ->
+retire the previous version, or roll back.
 A failed gate leaves the live version serving, tags the candidate with the reason, deletes
 its app and fails the flow run with that reason. Rollouts on one route never overlap.
 The stages are tasks (tasks.rollout.gates, tasks.rollout.changes); the rollout object
@@ -20,10 +22,10 @@ from prefect_ray_lifecycle.tasks import lineage
 from prefect_ray_lifecycle.tasks.params import ModelVersion, Text
 from prefect_ray_lifecycle.tasks.register import record_place
 from prefect_ray_lifecycle.tasks.rollout.apps import route_context
-from prefect_ray_lifecycle.tasks.rollout.changes import inject, swap, withdraw
+from prefect_ray_lifecycle.tasks.rollout.changes import swap, withdraw
 from prefect_ray_lifecycle.tasks.rollout.claim import hold_route, route_holder
 from prefect_ray_lifecycle.tasks.rollout.config import Drill, Gates, LLMServing, Serving
-from prefect_ray_lifecycle.tasks.rollout.gates import canary_step, deploy_candidate, smoke
+from prefect_ray_lifecycle.tasks.rollout.gates import deploy_candidate, smoke
 from prefect_ray_lifecycle.tasks.rollout.rollout import (
     Rollout,
     RolloutFailed,
@@ -59,7 +61,7 @@ def serve_rollout(
             points at.
         alias: Alias resolved (once, at the start) when no version is given.
         route: The stable route (URL prefix /<route>) whose router serves the model.
-        gates: Health, smoke, canary and bake settings.
+        gates: Health, smoke, shadow, canary, approval and bake settings.
         serving: Replicas, CPUs/GPUs and health checks of the version's Serve app.
         drill: Faults injected into the candidate to rehearse the gates; empty for none.
         ray_cluster: A Ray cluster that outlives the flow run (Serve keeps serving on it).
@@ -157,9 +159,8 @@ def _roll_out(rollout: Rollout, drill: Drill) -> RolloutResult:
                 live_reason=f"first rollout on /{route}",
                 event=("promoted", {"first": True, "url": r.url}),
             )
-        for weight in r.gates.canary_steps:
-            step = canary_step(r.ctx, r.gates, weight, live, candidate, r.inline_live)
-            r.add(f"canary {weight:.0%}", "passed", step)
+        r.shadow()
+        r.gate_traffic(r.gates.canary_steps)
     except GateFailed as failure:
         withdraw(r.ctx, live, candidate.app)
         r.fail(failure, "rejected", live)
@@ -167,9 +168,4 @@ def _roll_out(rollout: Rollout, drill: Drill) -> RolloutResult:
         best_effort(withdraw, r.ctx, live, candidate.app)
         raise
 
-    swapped = swap(r.ctx, candidate, live)
-    r.swapped(swapped)
-    if drill.after_swap:
-        inject(candidate.app, drill.after_swap)
-        r.add("drill", "injected", f"after the swap: {drill.after_swap}")
-    return r.bake_then_settle(candidate, live, swapped.at, "promoted")
+    return r.swap_then_bake(drill.after_swap)

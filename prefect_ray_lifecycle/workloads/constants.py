@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 
 __all__ = [
+    "CANARY_HEADER",
+    "CANARY_TOKEN_HEADER",
     "FALLBACK_HEADER",
     "LLM_DEPLOYMENT",
     "LLM_PYTHON_ENV",
@@ -20,6 +22,8 @@ __all__ = [
     "REQUEST_ID_HEADER",
     "ROUTER_DEPLOYMENT",
     "SERVE_NAMESPACE",
+    "SESSION_HEADER",
+    "SHADOW_KEY",
     "VERSION_HEADER",
     "llm_python",
 ]
@@ -34,6 +38,15 @@ SERVE_NAMESPACE = "serve"
 VERSION_HEADER = "X-Model-Version"
 REQUEST_ID_HEADER = "X-Request-Id"
 FALLBACK_HEADER = "X-Fallback-From"
+# Request headers a route reads: a session key (a session stays on one version through a
+# canary step), and a tester's choice of version while a rollout holds the route.
+SESSION_HEADER = "X-Session-Id"
+CANARY_HEADER = "X-Canary"
+CANARY_TOKEN_HEADER = "X-Canary-Token"
+# The router's request dict key that asks a version for what a shadow comparison needs (its
+# greedy actions and probabilities, or its completion's token ids), and the answer dict's key
+# (outside the body: users never see it) that carries them.
+SHADOW_KEY = "shadow"
 
 # Serve deployment names inside the apps this project builds.
 POLICY_DEPLOYMENT = "PolicyServer"

@@ -17,6 +17,7 @@ __all__ = [
     "describe",
     "json_response",
     "parse_json",
+    "peek_field",
     "request_dict",
     "tagged_headers",
     "to_response",
@@ -53,6 +54,19 @@ def parse_json(body: bytes, max_bytes: int | None = None) -> Any:
         raise BadRequest(400, "body is not usable JSON: it nests too deeply") from None
     except (ValueError, UnicodeDecodeError) as error:
         raise BadRequest(400, f"body is not valid JSON: {error}") from None
+
+
+def peek_field(body: bytes, name: str) -> Any:
+    """A JSON object body's field `name`, read by the router before the version answers the
+    request; None when it is not there, or the body is not a JSON object (the version then
+    answers with its own 4xx). The body is parsed only when it names the field."""
+    if f'"{name}"'.encode() not in body:
+        return None
+    try:
+        payload = parse_json(body)
+    except BadRequest:
+        return None
+    return payload.get(name) if isinstance(payload, dict) else None
 
 
 def _reject_constant(name: str) -> float:

@@ -15,7 +15,13 @@ from prefect_ray_lifecycle.control import serve_control
 from prefect_ray_lifecycle.tasks.rollout.claim import RouteClaim
 from prefect_ray_lifecycle.tasks.rollout.config import LLMServing, Serving
 from prefect_ray_lifecycle.workloads.llm import llm_app_config
-from prefect_ray_lifecycle.workloads.serve.router_config import RolloutRecord, RouterConfig, Target
+from prefect_ray_lifecycle.workloads.serve.router_config import (
+    RolloutRecord,
+    RouterConfig,
+    Target,
+    Testers,
+)
+from prefect_ray_lifecycle.workloads.serve.traffic import token_digest
 
 __all__ = ["RouteContext", "model_spec", "route_context", "serving_runtime_env", "version_app"]
 
@@ -89,17 +95,22 @@ class RouteContext:
     fallback: bool
     claim: RouteClaim
     host_llm: bool = False  # whether the router hosts a live LLM version
+    testers: Testers = Testers()  # who may reach the candidate with X-Canary
 
     def hosts(self, target: Target) -> bool:
         """Whether the router hosts `target` in its replicas once it is live."""
         return target.model is not None and (target.kind == "policy" or self.host_llm)
 
-    def record(self, stage: Literal["canary", "bake"], version: str) -> RolloutRecord:
+    def record(
+        self, stage: Literal["shadow", "canary", "bake"], version: str, **extra: Any
+    ) -> RolloutRecord:
         """The router's record that this rollout holds the route, and at which stage."""
-        return RolloutRecord(self.claim.holder, stage, str(version), time.time())
+        return RolloutRecord(self.claim.holder, stage, str(version), time.time(), **extra)
 
     def config(self, **fields: Any) -> RouterConfig:
-        return RouterConfig(timeout_s=self.timeout_s, fallback=self.fallback, **fields)
+        return RouterConfig(
+            timeout_s=self.timeout_s, fallback=self.fallback, testers=self.testers, **fields
+        )
 
     def write(self, config: RouterConfig, **wait: Any) -> RouterConfig:
         """Apply `config` (a new generation) and wait until the router answers with it; only
@@ -137,4 +148,18 @@ def route_context(
         fallback=gates.fallback,
         claim=claim,
         host_llm=host_llm,
+        testers=testers(gates.tester_header, gates.tester_token_secret),
     )
+
+
+def testers(mode: str, secret_name: str | None) -> Testers:
+    """Who the router lets reach the candidate with X-Canary: the token's SHA-256 from the
+    Prefect Secret block `secret_name` in token mode (the token itself never leaves Prefect)."""
+    if mode != "token":
+        return Testers(mode)  # type: ignore[arg-type]
+    from prefect.blocks.system import Secret
+
+    token = Secret.load(secret_name).get()
+    if not isinstance(token, str) or not token:
+        raise ValueError(f"Secret block {secret_name!r} must hold the testers' token as a string")
+    return Testers("token", token_digest(token))

@@ -1,7 +1,9 @@
 """One chart per rollout: per version, requests/s, error rate and p99 through the router over
-the rollout, with the stage boundaries (health, smoke, each canary step, swap, bake, retire or
-rollback) and the gates' thresholds drawn. Its data comes from the route's state actor (what
-every router replica reported) and the rollout's timeline."""
+the rollout, with the stage boundaries (health, smoke, shadow, each canary step, approval,
+swap, bake, retire or rollback) and the gates' thresholds drawn; after a shadow stage, a
+fourth panel: the candidate's agreement with live over time, beside the noise floor (live's
+own app against live) and the gate's minimum. Its data comes from the route's state actor
+(what every router replica reported) and the rollout's timeline."""
 
 from __future__ import annotations
 
@@ -22,9 +24,14 @@ def draw_rollout(data: dict[str, Any]) -> Figure:
     """Draw `data`: {"title", "started" (time.time()), "candidate", "live" (versions or None),
     "series": {version: [{"at", "requests_per_s", "error_rate", "p99_ms"}, ...]},
     "stages": [{"at" (time.time()), "stage", "outcome"}, ...],
-    "thresholds": {"max_error_rate", "max_p99_ms", "max_p99_ratio", "p99_slack_ms"}}."""
-    figure = new_figure(11.0, 8.0)
-    rate, errors, p99 = figure.subplots(3, 1, sharex=True)
+    "thresholds": {"max_error_rate", "max_p99_ms", "max_p99_ratio", "p99_slack_ms",
+    "min_agreement"}, and optionally "shadow": {"candidate" | "noise_floor": {version: [{"at",
+    "compared", "agreement"}, ...]}}."""
+    shadow = data.get("shadow") or {}
+    shadowed = any(points for versions in shadow.values() for points in versions.values())
+    figure = new_figure(11.0, 10.0 if shadowed else 8.0)
+    panels = figure.subplots(4 if shadowed else 3, 1, sharex=True)
+    rate, errors, p99 = panels[:3]
     started = data["started"]
     colours = {data.get("live"): LIVE_COLOUR, data["candidate"]: CANDIDATE_COLOUR}
     for version, points in sorted(data["series"].items()):
@@ -79,12 +86,15 @@ def draw_rollout(data: dict[str, Any]) -> Figure:
     rate.set_ylim(bottom=0)
     errors.set_ylim(bottom=0)
 
+    if shadowed:
+        _draw_agreement(panels[3], shadow, started, limits.get("min_agreement"))
+
     marks = [
         (m["at"] - started, f"{m['stage']}: {m['outcome']}", m["outcome"] in FAILED_OUTCOMES)
         for m in data["stages"]
     ]
     end = max([at for at, _, _ in marks] + [rate.get_xlim()[1], 1.0])
-    for axes in (rate, errors, p99):
+    for axes in panels:
         for at, _, failed in marks:
             axes.axvline(at, color="red" if failed else "black", linewidth=0.8, alpha=0.6)
         axes.set_xlim(0, end)
@@ -112,12 +122,40 @@ def draw_rollout(data: dict[str, Any]) -> Figure:
     rate.set_ylabel("requests/s")
     errors.set_ylabel("error rate")
     p99.set_ylabel("p99 (ms)")
-    p99.set_xlabel("seconds since the rollout started")
-    for axes in (rate, errors, p99):  # outside the plot: the lines stay readable
+    panels[-1].set_xlabel("seconds since the rollout started")
+    for axes in panels:  # outside the plot: the lines stay readable
         if axes.get_legend_handles_labels()[0]:
             axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     figure.suptitle(data["title"])
     return figure
+
+
+def _draw_agreement(
+    axes: Any, shadow: dict[str, Any], started: float, minimum: float | None
+) -> None:
+    """The shadow panel: agreement per bucket of the candidate's copies, and of the noise
+    floor's, with the gate's minimum."""
+    styles = {
+        "candidate": {"color": CANDIDATE_COLOUR, "marker": "."},
+        "noise_floor": {"color": LIVE_COLOUR, "marker": "x", "linestyle": "--"},
+    }
+    for role, versions in sorted(shadow.items()):
+        for version, points in sorted(versions.items()):
+            shown = [
+                (p["at"] - started, p["agreement"]) for p in points if p["agreement"] is not None
+            ]
+            if not shown:
+                continue
+            label = (
+                f"v{version} vs live"
+                if role == "candidate"
+                else f"noise floor: v{version} vs itself"
+            )
+            axes.plot(*zip(*shown, strict=True), label=label, **styles.get(role, {}))
+    if minimum is not None:
+        axes.axhline(minimum, color="red", linestyle="--", label=f"gate: min {minimum:.0%}")
+    axes.set_ylim(-0.02, 1.05)
+    axes.set_ylabel("shadow agreement")
 
 
 def _grouped(marks: list[tuple[float, str, bool]], within: float) -> list[tuple[float, str, bool]]:

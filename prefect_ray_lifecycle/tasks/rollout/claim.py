@@ -46,12 +46,14 @@ __all__ = [
     "hold_route",
     "limit_name",
     "mark_crashed",
+    "run_and_subflows",
 ]
 
 logger = get_logger(__name__)
 
 SLOT_LEASE_S = 60.0  # the shortest lease Prefect's server grants on a concurrency slot
 POLL_S = 1.0  # how often a waiting claimant looks at the slot and the route lease
+SUBFLOW_DEPTH = 3  # reconcile -> serve-rollout -> rollout-approval
 _HELD: contextvars.ContextVar[dict[str, RouteClaim] | None] = contextvars.ContextVar(
     "held_routes", default=None
 )
@@ -258,10 +260,28 @@ def _renew(claim: RouteClaim, actor: Any, stop: threading.Event) -> None:
                 logger.warning("could not renew route %s's slot: %r", claim.route, error)
 
 
+def run_and_subflows(client: Any, run_id: uuid.UUID) -> list[Any]:
+    """A flow run and its subflows down to their own (reconcile -> serve-rollout ->
+    rollout-approval), the run first; ObjectNotFound when there is no such run."""
+    runs, parents = [client.read_flow_run(run_id)], [run_id]
+    for _ in range(SUBFLOW_DEPTH):
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=parents)
+            )
+        )
+        runs += children
+        parents = [run.id for run in children]
+        if not parents:
+            break
+    return runs
+
+
 def mark_crashed(holder: str, taken_over_by: str) -> list[str]:
-    """The flow runs a dead holder left Running (itself when no worker saw it die, and its
-    subflows, e.g. the serve-rollout a killed reconcile was running), marked Crashed with who
-    took the route over. Returns their ids."""
+    """The flow runs a dead holder left unfinished (itself when no worker saw it die, and its
+    subflows down to their own: the serve-rollout a killed reconcile was running, the approval
+    a killed rollout was waiting for, Paused), marked Crashed with who took the route over.
+    Returns their ids."""
     try:
         holder_id = uuid.UUID(holder)
     except ValueError:
@@ -269,15 +289,10 @@ def mark_crashed(holder: str, taken_over_by: str) -> list[str]:
     message = f"its process died holding the route; taken over by flow run {taken_over_by}"
     marked = []
     with get_client(sync_client=True) as client:
-        children = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[holder_id])
-            )
-        )
         try:
-            runs = [client.read_flow_run(holder_id), *children]
+            runs = run_and_subflows(client, holder_id)
         except ObjectNotFound:  # a holder that was not a flow run
-            runs = children
+            return []
         for run in runs:
             if run.state is not None and not run.state.is_final():
                 client.set_flow_run_state(run.id, Crashed(message=message), force=True)

@@ -3,12 +3,12 @@ or an LLM) and the faults of a drill. Flow parameters, so every field is describ
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
 from prefect_ray_lifecycle.blocks import MLflowServer
-from prefect_ray_lifecycle.control.canary import Thresholds
+from prefect_ray_lifecycle.control.canary import ShadowThresholds, Thresholds
 from prefect_ray_lifecycle.workloads.constants import llm_python
 from prefect_ray_lifecycle.workloads.llm import EngineSettings, LLMAppArgs
 from prefect_ray_lifecycle.workloads.llm.config import engine_runtime_env
@@ -106,6 +106,93 @@ class Gates(BaseModel):
     min_tokens_per_s_ratio: float = Field(
         0.5, ge=0, description="LLM versions: lowest candidate tokens/s (p50) as a share of live's."
     )
+    # -- shadow: the candidate's answers compared with live's before any user gets one --------
+    shadow_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of live requests also sent to the candidate in a shadow stage after "
+        "smoke and before the first canary step (users get live's answers only, and never wait "
+        "for the copy); 0: no shadow stage. LLM versions: greedy requests (temperature 0) only.",
+    )
+    shadow_max_per_s: float = Field(
+        50.0, gt=0, description="Most copies a second each router replica sends the candidate."
+    )
+    shadow_hold_s: float = Field(20.0, ge=0, description="How long the shadow stage is held.")
+    shadow_min_requests: int = Field(
+        20, ge=1, description="Copies the candidate must have answered before it is judged."
+    )
+    shadow_max_wait_s: float = Field(
+        120.0,
+        gt=0,
+        description="Longest the shadow stage waits for its minimum copies; then `shadow_too_few`.",
+    )
+    shadow_too_few: Literal["reject", "proceed"] = Field(
+        "reject",
+        description="When fewer copies than shadow_min_requests came within shadow_max_wait_s: "
+        "reject the candidate, or go on to the canary with the figures marked inconclusive.",
+    )
+    min_agreement: float | None = Field(
+        0.99,
+        ge=0,
+        le=1,
+        description="Policies: lowest share of answers (batch rows) whose greedy action is "
+        "live's; empty: report only.",
+    )
+    min_llm_agreement: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="LLM versions: lowest share of completions exactly live's; empty (the "
+        "default): report only, since a fine-tune is meant to change answers.",
+    )
+    max_shadow_error_rate: float = Field(
+        0.01, ge=0, le=1, description="Highest share of copies the candidate fails."
+    )
+    max_shadow_p99_ratio: float = Field(
+        3.0,
+        ge=1,
+        description="Highest candidate p99 on the copies as a multiple of live's on the same "
+        "requests (plus p99_slack_ms).",
+    )
+    shadow_noise_floor: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Also send each copy to the live version's own app and compare that with "
+        "live's answer: how often an identical version disagrees (vLLM on CPU is not batch "
+        "invariant). auto: LLM versions only.",
+    )
+    # -- who reaches the candidate on purpose -------------------------------------------------
+    tester_header: Literal["off", "on", "token"] = Field(
+        "off",
+        description="Whether requests with `X-Canary: always` (or `never`) reach the "
+        "candidate (or stay off it) while this rollout holds the route: off (the header is "
+        "ignored), on, or token (only with `X-Canary-Token` matching tester_token_secret). "
+        "Their requests are kept out of the gates' figures.",
+    )
+    tester_token_secret: str | None = Field(
+        None,
+        description="The Prefect Secret block holding the testers' token (tester_header "
+        "token); the router keeps only its SHA-256.",
+    )
+    # -- a person's approval in the Prefect UI ------------------------------------------------
+    approval: Literal["none", "before_swap", "after_step"] = Field(
+        "none",
+        description="Pause for a person's approval (a form on the flow run in the Prefect UI, "
+        "or `python -m deployments.approve`): none, before the swap, or after the canary step "
+        "approval_step. The candidate keeps its share while the rollout waits.",
+    )
+    approval_step: float | None = Field(
+        None, description="approval after_step: the canary step (one of canary_steps) it follows."
+    )
+    approval_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="Longest a rollout waits for a decision; then approval_on_timeout.",
+    )
+    approval_on_timeout: Literal["abort", "approve"] = Field(
+        "abort", description="What an approval nobody gave in time means."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Gates:
@@ -116,7 +203,32 @@ class Gates(BaseModel):
         for observation in self.smoke_observations:
             if not observation:
                 raise ValueError("smoke_observations must not hold an empty observation")
+        if self.approval == "after_step" and self.approval_step not in self.canary_steps:
+            raise ValueError(
+                f"approval after_step needs approval_step among canary_steps "
+                f"{self.canary_steps}, got {self.approval_step}"
+            )
+        if self.tester_header == "token" and not self.tester_token_secret:
+            raise ValueError("tester_header token needs tester_token_secret (a Secret block)")
         return self
+
+    def asks_after(self, weight: float) -> bool:
+        """Whether the rollout waits for approval once the canary step `weight` passed."""
+        return self.approval == "after_step" and self.approval_step == weight
+
+    def shadow_thresholds(self, kind: str) -> ShadowThresholds:
+        return ShadowThresholds(
+            self.shadow_min_requests,
+            self.min_llm_agreement if kind == "llm" else self.min_agreement,
+            self.max_shadow_error_rate,
+            self.max_shadow_p99_ratio,
+            self.p99_slack_ms,
+        )
+
+    def noise_floor(self, kind: str) -> bool:
+        return self.shadow_noise_floor == "on" or (
+            self.shadow_noise_floor == "auto" and kind == "llm"
+        )
 
     @property
     def thresholds(self) -> Thresholds:

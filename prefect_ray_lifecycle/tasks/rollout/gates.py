@@ -1,7 +1,8 @@
-"""The rollout's gates as Prefect tasks: the candidate's health, a smoke test, canary steps
-and the bake. They run in the flow process, a Ray driver connected through the RayCluster
-block, and every judgement reads the router's own per-version figures (workloads.serve.route_state).
-The stages that change what the route serves are in tasks.rollout.changes."""
+"""The rollout's gates as Prefect tasks: the candidate's health, a smoke test, a shadow
+stage (its answers compared with live's), canary steps and the bake. They run in the flow
+process, a Ray driver connected through the RayCluster block, and every judgement reads the
+router's own figures (workloads.serve.route_state). The stages that change what the route
+serves are in tasks.rollout.changes."""
 
 from __future__ import annotations
 
@@ -18,24 +19,29 @@ from prefect_ray_lifecycle.control.canary import (
     GateFailed,
     Judgement,
     early_failure,
+    early_shadow_failure,
     judge,
     judge_llm,
+    judge_shadow,
 )
 from prefect_ray_lifecycle.tasks.rollout import StageResult, rollout_stage
 from prefect_ray_lifecycle.tasks.rollout.apps import RouteContext
 from prefect_ray_lifecycle.tasks.rollout.config import Gates
 from prefect_ray_lifecycle.workloads.constants import ROUTER_DEPLOYMENT
-from prefect_ray_lifecycle.workloads.serve.route_state import route_figures
-from prefect_ray_lifecycle.workloads.serve.router_config import Target
+from prefect_ray_lifecycle.workloads.serve.route_state import route_figures, route_shadow
+from prefect_ray_lifecycle.workloads.serve.router_config import Shadow, Target
 
 __all__ = [
     "BakeResult",
     "CanaryResult",
     "HealthResult",
+    "ShadowResult",
     "SmokeResult",
     "bake",
     "canary_step",
     "deploy_candidate",
+    "shadow",
+    "shadow_tags",
     "smoke",
 ]
 
@@ -59,9 +65,36 @@ class SmokeResult(StageResult):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ShadowResult(StageResult):
+    share: float
+    applied_s: float  # from the stage's start until every router replica made copies
+    held_s: float  # since then
+    candidate: dict[str, Any] | None  # the shadow's figures of the candidate's copies
+    noise_floor: dict[str, Any] | None = None  # live's own app against live, the same way
+    inconclusive: bool = False
+
+
+def shadow_tags(figures: dict[str, Any]) -> dict[str, Any]:
+    """What the version's MLflow tags keep of a shadow stage's figures (passed or failed):
+    `lifecycle.rollout.shadow_*`."""
+    ours, floor = figures.get("candidate") or {}, figures.get("noise_floor") or {}
+    tags = {
+        "shadow_agreement": ours.get("agreement"),
+        "shadow_copies": ours.get("copies", 0),
+        "shadow_errors": ours.get("errors", 0),
+        "shadow_dropped": ours.get("dropped", 0),
+        "shadow_tvd": ours.get("tvd"),
+        "shadow_token_prefix": ours.get("token_prefix"),
+        "shadow_noise_floor": floor.get("agreement"),
+    }
+    return {k: v for k, v in tags.items() if v is not None}
+
+
+@dataclass(frozen=True, kw_only=True)
 class CanaryResult(StageResult):
     weight: float
-    held_s: float
+    applied_s: float  # from the step's start until every router replica served its share
+    held_s: float  # since then
     candidate: dict[str, Any] | None  # the router's figures of each version in the step
     live: dict[str, Any] | None
     candidate_llm: dict[str, Any] | None = None  # an LLM version's own tokens/s and TTFT
@@ -208,6 +241,65 @@ def _llm_stats(route: str, target: Target, reset: bool = False) -> dict[str, Any
 
 
 @rollout_stage
+def shadow(
+    ctx: RouteContext, gates: Gates, live: Target, candidate: Target, inline_live: bool
+) -> ShadowResult:
+    """Gate 3: users keep getting live's answers while the router copies `shadow_share` of
+    their requests to the candidate (sent off their path, by each replica's mirror) and
+    compares each pair; hold, then judge agreement, errors and p99 against live's on the same
+    requests. The copies flow only while this rollout holds the route's lease."""
+    noise_floor = gates.noise_floor(candidate.kind)
+    config = ctx.config(
+        live=live,
+        candidate=candidate,
+        inline_live=inline_live,
+        shadow=Shadow(gates.shadow_share, gates.shadow_max_per_s, noise_floor),
+        rollout=ctx.record("shadow", candidate.version),
+    )
+    started = time.time()
+    ctx.write(config)
+    applied_s = round(time.time() - started, 2)
+    thresholds = gates.shadow_thresholds(candidate.kind)
+    deadline = started + gates.shadow_max_wait_s
+
+    def figures() -> dict[str, Any]:
+        seen = route_shadow(ctx.route, started)
+        return {
+            "share": gates.shadow_share,
+            "applied_s": applied_s,
+            # Held from when every router replica made copies, not from the write.
+            "held_s": round(time.time() - started - applied_s, 1),
+            "candidate": seen["candidate"].get(candidate.version),
+            "noise_floor": seen["noise_floor"].get(live.version) if noise_floor else None,
+        }
+
+    while True:
+        time.sleep(0.5)
+        ctx.claim.check()
+        seen = figures()
+        early = early_shadow_failure(seen["candidate"], thresholds)
+        if early is not None:
+            raise GateFailed("shadow", early.reason, seen)
+        copies = (seen["candidate"] or {}).get("copies", 0)
+        if seen["held_s"] >= gates.shadow_hold_s and copies >= thresholds.min_requests:
+            break
+        if time.time() > deadline:
+            reason = (
+                f"only {copies} shadow copies in {seen['held_s']:.0f} s, fewer than the "
+                f"{thresholds.min_requests} needed"
+            )
+            if gates.shadow_too_few == "reject":
+                raise GateFailed("shadow", reason, seen)
+            return ShadowResult(**seen, inconclusive=True, reason=f"inconclusive: {reason}")
+    seen = figures()
+    verdict = judge_shadow(seen["candidate"], thresholds, seen["noise_floor"])
+    if verdict.ok is False:
+        raise GateFailed("shadow", verdict.reason, seen)
+    get_run_logger().info("shadow passed: %s", verdict.reason)
+    return ShadowResult(**seen, reason=verdict.reason)
+
+
+@rollout_stage
 def canary_step(
     ctx: RouteContext,
     gates: Gates,
@@ -232,6 +324,7 @@ def canary_step(
         _llm_stats(ctx.route, candidate, reset=True)
         _llm_stats(ctx.route, live, reset=True)
     ctx.write(config)
+    applied_s = round(time.time() - started, 2)
     thresholds = gates.thresholds
     deadline = started + gates.canary_max_wait_s
     while True:
@@ -246,7 +339,7 @@ def canary_step(
                 f"at {weight:.0%}: {early.reason}",
                 {"weight": weight, "candidate": candidate_figures, "live": stats.get(live.version)},
             )
-        held = time.time() - started
+        held = time.time() - started - applied_s  # since every router replica serves it
         enough = (candidate_figures or {}).get("requests", 0) >= thresholds.min_requests
         if held >= gates.canary_hold_s and enough:
             break
@@ -261,7 +354,8 @@ def canary_step(
     verdict: Judgement = judge(candidate_figures, stats.get(live.version), thresholds)
     figures = {
         "weight": weight,
-        "held_s": round(time.time() - started, 1),
+        "applied_s": applied_s,
+        "held_s": round(time.time() - started - applied_s, 1),
         "candidate": candidate_figures,
         "live": stats.get(live.version),
     }

@@ -19,7 +19,7 @@ from prefect_ray_lifecycle.tasks.charts import artifact_key
 from prefect_ray_lifecycle.tasks.charts import publish as publish_chart
 from prefect_ray_lifecycle.tasks.rollout.chart import draw_rollout
 from prefect_ray_lifecycle.tasks.rollout.config import Gates
-from prefect_ray_lifecycle.workloads.serve.route_state import route_series
+from prefect_ray_lifecycle.workloads.serve.route_state import route_series, route_shadow_series
 
 __all__ = ["Timeline", "emit", "record"]
 
@@ -69,7 +69,8 @@ def emit(outcome: str, model_name: str, version: str, route: str, payload: dict[
 class Timeline:
     """A rollout's stages, logged as they happen and published as one markdown artifact per
     route and model (key `rollout-<route>-<model>`), with the rollout's chart (requests/s,
-    error rate and p99 per version, stage boundaries, gate thresholds) on the version's MLflow
+    error rate and p99 per version, the shadow's agreement, stage boundaries, gate
+    thresholds) on the version's MLflow
     run and as the image artifact `rollout-chart-<route>-<model>`, linked from the table."""
 
     def __init__(
@@ -81,8 +82,10 @@ class Timeline:
         route: str,
         server: MLflowServer | None = None,
         gates: Gates | None = None,
+        kind: str = "policy",
     ):
         self.title = title
+        self.kind = kind
         self.model_name, self.version, self.route = model_name, version, route
         self.server, self.gates = server, gates
         self.key = artifact_key("rollout", route, model_name)
@@ -95,10 +98,12 @@ class Timeline:
         self.chart_url: str | None = None
 
     def add(self, stage: str, outcome: str, detail: str, figures: dict | None = None) -> None:
-        self.marks.append({"at": time.time(), "stage": stage, "outcome": outcome})
+        at = time.time()
+        self.marks.append({"at": at, "stage": stage, "outcome": outcome})
         self.entries.append(
             {
                 "at_s": round(time.monotonic() - self.started, 1),
+                "at": at,  # epoch seconds, to line up with what clients saw
                 "stage": stage,
                 "outcome": outcome,
                 "detail": detail,
@@ -149,12 +154,16 @@ class Timeline:
             "live": self.live,
             "started": self.started_at,
             "series": route_series(self.route, self.started_at),
+            "shadow": route_shadow_series(self.route, self.started_at),
             "stages": list(self.marks),
             "thresholds": {
                 "max_error_rate": gates.max_error_rate,
                 "max_p99_ms": gates.max_p99_ms,
                 "max_p99_ratio": gates.max_p99_ratio,
                 "p99_slack_ms": gates.p99_slack_ms,
+                "min_agreement": gates.min_llm_agreement
+                if self.kind == "llm"
+                else gates.min_agreement,
             },
         }
 

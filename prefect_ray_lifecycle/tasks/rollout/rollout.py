@@ -1,13 +1,14 @@
 """One rollout of a model version on a route, as an object: what every stage needs (the route
 context, the gates, the MLflow server, the model, the version, the route's URL, the candidate
-and the live version) and its endings. Every ending leaves through one door (`_close`): the
-version's verdict and the `live` alias in MLflow, a Prefect event, then the timeline and the
-chart; `finish` returns the result, `fail` raises RolloutFailed with the decision."""
+and the live version), the traffic gates in order (shadow, canary steps, a person's approval)
+and its endings. Every ending leaves through one door (`_close`): the version's verdict and
+the `live` alias in MLflow, a Prefect event, then the timeline and the chart; `finish`
+returns the result, `fail` raises RolloutFailed with the decision."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
 
 from prefect import get_run_logger
@@ -19,10 +20,11 @@ from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.control.canary import GateFailed
 from prefect_ray_lifecycle.tasks.rollout import StageResult
+from prefect_ray_lifecycle.tasks.rollout.approval import ask
 from prefect_ray_lifecycle.tasks.rollout.apps import RouteContext, version_app
-from prefect_ray_lifecycle.tasks.rollout.changes import SwapResult, retire, rollback
+from prefect_ray_lifecycle.tasks.rollout.changes import inject, retire, rollback, swap
 from prefect_ray_lifecycle.tasks.rollout.config import Gates, LLMServing, Serving
-from prefect_ray_lifecycle.tasks.rollout.gates import bake
+from prefect_ray_lifecycle.tasks.rollout.gates import bake, canary_step, shadow, shadow_tags
 from prefect_ray_lifecycle.tasks.rollout.record import Timeline, emit, record
 from prefect_ray_lifecycle.workloads.serve.router_config import Target, TargetKind
 
@@ -95,6 +97,8 @@ class Rollout:
     app_config: dict[str, Any] | None = None
     health_period_s: float = 0.0
     inline_live: bool = False  # the router hosts the live version in its replicas
+    # Kept on the version with every verdict: the shadow's figures, who approved.
+    tags: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def begin(
@@ -133,6 +137,7 @@ class Rollout:
             inline_live=bool(router and router.inline_live and live and ctx.hosts(live)),
         )
         rollout.timeline.live = rollout.previous_version
+        rollout.timeline.kind = kind
         return rollout
 
     @staticmethod
@@ -178,6 +183,50 @@ class Rollout:
             self.timeline.add(stage, outcome, result.reason, result.figures())
         else:
             self.timeline.add(stage, outcome, result, figures)
+
+    def shadow(self) -> None:
+        """The shadow stage, when the gates ask for one: GateFailed at `shadow` otherwise."""
+        if not self.gates.shadow_share:
+            return
+        try:
+            result = shadow(self.ctx, self.gates, self.live, self.candidate, self.inline_live)
+        except GateFailed as failure:
+            self.tags.update(shadow_tags(failure.figures))
+            raise
+        self.tags.update(shadow_tags(result.figures()))
+        self.add("shadow", "inconclusive" if result.inconclusive else "passed", result)
+
+    def gate_traffic(self, steps: list[float], asked: bool = False) -> None:
+        """The canary steps in order, each judged, and a person's approval where the gates
+        ask for it (`asked`: the approval before the swap was given already)."""
+        for weight in steps:
+            step = canary_step(
+                self.ctx, self.gates, weight, self.live, self.candidate, self.inline_live
+            )
+            self.add(f"canary {weight:.0%}", "passed", step)
+            if self.gates.asks_after(weight):
+                self.approve(weight, "after_step")
+        if self.gates.approval == "before_swap" and not asked:
+            self.approve(steps[-1] if steps else 0.0, "before_swap")
+
+    def approve(self, weight: float, point: Literal["before_swap", "after_step"]) -> None:
+        """Wait for a person's approval at `weight`: GateFailed at `approval` on an abort."""
+        try:
+            result = ask(
+                self.ctx,
+                self.gates,
+                self.timeline,
+                self.live,
+                self.candidate,
+                self.inline_live,
+                weight,
+                point,
+            )
+        except GateFailed as failure:
+            self.tags.update(approval_by=failure.figures.get("name"))
+            raise
+        self.tags.update(approved_by=result.by, approval_reason=result.reason)
+        self.add("approval", "approved", result)
 
     def finish(
         self,
@@ -253,7 +302,7 @@ class Rollout:
                 self.server,
                 self.model_name,
                 self.version,
-                {**(verdict or {}), "route": self.route},
+                {**self.tags, **(verdict or {}), "route": self.route},
                 move_live_to=move_live_to,
                 reason=live_reason,
             )
@@ -261,13 +310,15 @@ class Rollout:
             emit(event[0], self.model_name, self.version, self.route, event[1])
         self.timeline.publish(decision, chart=chart)
 
-    def swapped(self, result: SwapResult) -> None:
-        """`live` follows the router at the swap, before the bake decides."""
+    def swap_then_bake(self, after_swap: dict[str, Any] | None = None) -> RolloutResult:
+        """The swap (`live` follows the router, before the bake decides), a drill's faults
+        on the new version when asked, then the bake and what follows it."""
+        swapped = swap(self.ctx, self.candidate, self.live)
         record(
             self.server,
             self.model_name,
             self.version,
-            {"verdict": "swapped", "route": self.route, "app": self.candidate.app},
+            {**self.tags, "verdict": "swapped", "route": self.route, "app": self.candidate.app},
             move_live_to=self.version,
             reason="passed health, smoke and canary gates",
         )
@@ -275,8 +326,12 @@ class Rollout:
             "swap",
             "done",
             f"/{self.route} -> v{self.version}; alias live moved",
-            {"seconds": result.seconds},
+            {"seconds": swapped.seconds},
         )
+        if after_swap:
+            inject(self.candidate.app, after_swap)
+            self.add("drill", "injected", f"after the swap: {after_swap}")
+        return self.bake_then_settle(self.candidate, self.live, swapped.at, "promoted")
 
     def bake_then_settle(
         self, new: Target, previous: Target, since: float, outcome: Outcome

@@ -17,6 +17,7 @@ from ray import serve
 from prefect_ray_lifecycle.workloads.constants import (
     LLM_DEPLOYMENT,
     REQUEST_ID_HEADER,
+    SHADOW_KEY,
     VERSION_HEADER,
 )
 from prefect_ray_lifecycle.workloads.http import JSON_TYPE, BadRequest, request_dict
@@ -61,6 +62,13 @@ class Reply:
     headers: dict[str, str]
     body: bytes = b""
     stream: AsyncIterator[bytes] | None = None
+    generation: Generation | None = None  # a completion's: its token ids, once it is done
+
+    def shadow(self) -> dict[str, Any] | None:
+        """What a shadow comparison needs of this answer: the completion's token ids."""
+        if self.generation is None:
+            return None
+        return {"token_ids": list(self.generation.token_ids)}
 
 
 @serve.deployment(name=LLM_DEPLOYMENT)
@@ -163,7 +171,8 @@ class LLMServer:
 
     async def handle_http(self, request: dict) -> dict:
         """For the router's DeploymentHandle: {"method", "path", "query", "headers", "body"}
-        in, {"status", "headers", "body"} out (a streamed answer is gathered whole)."""
+        in, {"status", "headers", "body"} out (a streamed answer is gathered whole). Asked for
+        a shadow comparison (SHADOW_KEY), it also carries the completion's token ids."""
         reply = await self._respond(
             request.get("method", "POST"),
             request.get("path", "/"),
@@ -173,11 +182,15 @@ class LLMServer:
         body = reply.body
         if reply.stream is not None:
             body = b"".join([chunk async for chunk in reply.stream])
-        return {"status": reply.status, "headers": reply.headers, "body": body}
+        answer = {"status": reply.status, "headers": reply.headers, "body": body}
+        if request.get(SHADOW_KEY) and reply.status == 200:
+            answer[SHADOW_KEY] = reply.shadow()
+        return answer
 
     async def handle_http_stream(self, request: dict):
         """Streaming twin of handle_http (call with handle.options(stream=True)): first
-        {"status", "headers"}, then the body as bytes chunks (SSE for "stream": true)."""
+        {"status", "headers"}, then the body as bytes chunks (SSE for "stream": true); asked
+        for a shadow comparison, last {SHADOW_KEY: the token ids}, which the router keeps."""
         reply = await self._respond(
             request.get("method", "POST"),
             request.get("path", "/"),
@@ -190,6 +203,8 @@ class LLMServer:
                 yield chunk
         elif reply.body:
             yield reply.body
+        if request.get(SHADOW_KEY) and reply.status == 200:
+            yield {SHADOW_KEY: reply.shadow()}
 
     async def stats(self, reset: bool = False) -> dict:
         """Counters and latency samples since start (or the last reset), for canary analysis."""
@@ -290,7 +305,7 @@ class LLMServer:
         generation = Generation(self, request_id, prompt_ids, params, answer_format)
         if request.stream:
             headers = self._headers(request_id, EVENT_STREAM_TYPE)
-            return Reply(200, headers, stream=generation.sse())
+            return Reply(200, headers, stream=generation.sse(), generation=generation)
         try:
             answer = await generation.whole()
         except BadRequest:
@@ -298,7 +313,9 @@ class LLMServer:
         except Exception as exc:
             failure = error_body(500, f"generation failed: {exc}", code="engine_error")
             return self._error_reply(500, request_id, failure)
-        return self._json_reply(200, request_id, answer)
+        reply = self._json_reply(200, request_id, answer)
+        reply.generation = generation
+        return reply
 
 
 class Generation:
@@ -318,6 +335,7 @@ class Generation:
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
         self.completion_tokens = 0
+        self.token_ids: list[int] = []
 
     def _usage(self) -> dict[str, int]:
         return usage(len(self.prompt_ids), self.completion_tokens)
@@ -329,6 +347,7 @@ class Generation:
             if completion.token_ids and self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
             self.completion_tokens += len(completion.token_ids)
+            self.token_ids.extend(completion.token_ids)
             yield completion
 
     def _record(self) -> None:

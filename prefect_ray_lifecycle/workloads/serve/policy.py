@@ -17,7 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from prefect_ray_lifecycle.workloads.constants import POLICY_DEPLOYMENT, VERSION_HEADER
+from prefect_ray_lifecycle.workloads.constants import (
+    POLICY_DEPLOYMENT,
+    SHADOW_KEY,
+    VERSION_HEADER,
+)
 from prefect_ray_lifecycle.workloads.http import (
     JSON_TYPE,
     MAX_BODY_BYTES,
@@ -29,6 +33,7 @@ from prefect_ray_lifecycle.workloads.http import (
     request_dict,
     to_response,
 )
+from prefect_ray_lifecycle.workloads.serve.traffic import check_episode_id, sticky_draw
 
 logger = logging.getLogger("ray.serve")
 
@@ -118,15 +123,33 @@ class PolicyCore:
 
     # -- acting -------------------------------------------------------------------------
     def act(self, observations: np.ndarray) -> np.ndarray:
+        return self.act_with_probabilities(observations)[0]
+
+    def act_with_probabilities(
+        self, observations: np.ndarray, disagree: float = 0.0
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Greedy actions, and each row's action probabilities where the action space is
+        discrete (None otherwise). `disagree` (a drill) changes the action of that share of
+        observations, the same ones every time (a stable hash of each row)."""
         import torch
         from ray.rllib.core.columns import Columns
 
         with torch.no_grad():
             out = self.module.forward_inference({Columns.OBS: torch.from_numpy(observations)})
-        dist = self.module.get_inference_action_dist_cls().from_logits(
-            out[Columns.ACTION_DIST_INPUTS]
-        )
-        return dist.to_deterministic().sample().numpy()
+        inputs = out[Columns.ACTION_DIST_INPUTS]
+        dist = self.module.get_inference_action_dist_cls().from_logits(inputs)
+        actions = dist.to_deterministic().sample().numpy()
+        probabilities = None
+        choices = getattr(self.action_space, "n", None)
+        if choices is not None and inputs.shape[-1] == choices:
+            probabilities = torch.softmax(inputs, dim=-1).numpy()
+        if disagree and choices is not None:
+            for row, observation in enumerate(observations):
+                if sticky_draw("drill", observation.tobytes().hex()) < disagree:
+                    actions[row] = (actions[row] + 1) % choices
+                    if probabilities is not None:
+                        probabilities[row] = np.roll(probabilities[row], 1)
+        return actions, probabilities
 
     def probe_observations(self, count: int = 4, seed: int = 0) -> np.ndarray:
         """Observations inside the space (finite bounds clipped), for health and smoke."""
@@ -177,6 +200,7 @@ class PolicyCore:
                 'JSON body must have exactly one of "observation" (one '
                 'observation or a batch) or "observations" (a batch)',
             )
+        check_episode_id(payload)
         # JSON booleans turn into numbers inside a numeric array: look for them only when the
         # body could hold one.
         maybe_bool = b"true" in body or b"false" in body
@@ -233,8 +257,10 @@ class PolicyCore:
             raise BadRequest(422, f"{field} holds values beyond float32's range (±{FLOAT32_MAX:g})")
         return array.astype(np.float32, copy=False), single
 
-    def answer(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Answer one HTTP request given as a dict (see `request_dict`)."""
+    def answer(self, request: dict[str, Any], disagree: float = 0.0) -> dict[str, Any]:
+        """Answer one HTTP request given as a dict (see `request_dict`). Asked for a shadow
+        comparison (the router's SHADOW_KEY), the answer also carries, outside its body, the
+        greedy actions and their probabilities."""
         headers = request.get("headers", {})
         try:
             if request.get("method", "POST") != "POST":
@@ -242,9 +268,16 @@ class PolicyCore:
             observations, single = self.parse(
                 request.get("body", b""), headers.get("content-type", JSON_TYPE)
             )
-            actions = [_plain(a) for a in self.act(observations)]
+            acted, probabilities = self.act_with_probabilities(observations, disagree)
+            actions = [_plain(a) for a in acted]
             body = {"action": actions[0]} if single else {"actions": actions}
-            return json_response(200, {**body, "model_version": self.version})
+            answer = json_response(200, {**body, "model_version": self.version})
+            if request.get(SHADOW_KEY):
+                answer[SHADOW_KEY] = {
+                    "actions": actions,
+                    "probabilities": None if probabilities is None else probabilities.tolist(),
+                }
+            return answer
         except BadRequest as error:
             return json_response(
                 error.status, {"error": error.message, "model_version": self.version}
@@ -267,17 +300,21 @@ class Faults:
     """Faults a drill injects into one version's app, to rehearse the rollout gates:
     `error_rate` of served requests raise (smoke probes are spared, like a model that passes
     its golden set and fails on live traffic); `fail_health_after_s` makes check_health fail
-    that long after the config arrives; `latency_ms` is added to every served request."""
+    that long after the config arrives; `latency_ms` is added to every served request;
+    `disagree_rate` of observations (always the same ones) get another action than the model
+    chose (a discrete action space; smoke probes spared), which only a shadow's comparison
+    sees."""
 
     error_rate: float = 0.0
     fail_health_after_s: float | None = None
     latency_ms: float = 0.0
+    disagree_rate: float = 0.0
     since: float = field(default_factory=time.monotonic, compare=False)
 
     @classmethod
     def parse(cls, value: dict[str, Any] | None) -> Faults:
         value = dict(value or {})
-        unknown = set(value) - {"error_rate", "fail_health_after_s", "latency_ms"}
+        unknown = set(value) - {"error_rate", "fail_health_after_s", "latency_ms", "disagree_rate"}
         if unknown:
             raise ValueError(f"unknown fault fields {sorted(unknown)}")
         faults = cls(
@@ -286,9 +323,11 @@ class Faults:
             if value.get("fail_health_after_s") is None
             else float(value["fail_health_after_s"]),
             float(value.get("latency_ms", 0.0)),
+            float(value.get("disagree_rate", 0.0)),
         )
         if (
             not 0.0 <= faults.error_rate <= 1.0
+            or not 0.0 <= faults.disagree_rate <= 1.0
             or faults.latency_ms < 0
             or (faults.fail_health_after_s is not None and faults.fail_health_after_s < 0)
         ):
@@ -300,6 +339,7 @@ class Faults:
             "error_rate": self.error_rate,
             "fail_health_after_s": self.fail_health_after_s,
             "latency_ms": self.latency_ms,
+            "disagree_rate": self.disagree_rate,
         }
 
 
@@ -353,7 +393,7 @@ class PolicyServer:
             await asyncio.sleep(faults.latency_ms / 1000)
         if faults.error_rate and random.random() < faults.error_rate:
             raise InjectedFault(f"v{self.core.version}: error injected by a drill")
-        return self.core.answer(request)
+        return self.core.answer(request, faults.disagree_rate)
 
     async def predict(self, observations: list[Any]) -> dict[str, Any]:
         """Smoke probes: act on a batch; raises when an action is invalid."""

@@ -1,5 +1,6 @@
 """A route's shared state, one detached actor per route: the request figures every router
-replica reports, and the lease under which one rollout holds the route.
+replica reports (users' and, apart, testers'), the shadow stage's comparisons, and the lease
+under which one rollout holds the route.
 
 The lease is timed by the actor's own clock, so no two hosts' clocks are compared: a holder
 renews it while it runs; once it lapses, router replicas stop sending any candidate share and
@@ -18,6 +19,7 @@ import ray
 
 from prefect_ray_lifecycle.workloads.constants import SERVE_NAMESPACE
 from prefect_ray_lifecycle.workloads.figures import percentile, summarize
+from prefect_ray_lifecycle.workloads.serve.shadow import summarize_shadow
 
 if TYPE_CHECKING:
     from prefect_ray_lifecycle.workloads.serve.router_config import RolloutRecord
@@ -29,6 +31,8 @@ __all__ = [
     "lease_of",
     "route_figures",
     "route_series",
+    "route_shadow",
+    "route_shadow_series",
     "route_state",
     "route_state_name",
 ]
@@ -39,7 +43,7 @@ FIGURES_KEEP_S = 900.0
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's own resource of the head node
 STATS_FLUSH_S = 0.25
 LEASE_POLL_S = 0.5
-LEASE_STALE_S = 2.0  # a lease a replica has not confirmed for this long counts as lapsed
+LEASE_POLL_TIMEOUT_S = 2.0
 LATENCY_SAMPLES = 2000  # per version per flush
 
 
@@ -51,24 +55,43 @@ def route_state_name(route: str) -> str:
 class RouteState:
     def __init__(self, keep_s: float = FIGURES_KEEP_S):
         self.keep_s = keep_s
-        # (at, version, requests, errors, fallbacks, latencies)
+        # (at, version, requests, errors, fallbacks, latencies): users' requests, and testers'
         self.windows: deque[tuple[float, str, int, int, int, list[float]]] = deque()
+        self.tester_windows: deque[tuple[float, str, int, int, int, list[float]]] = deque()
+        # (at, version, role, tally): the shadow's copies (workloads.serve.shadow)
+        self.shadow_windows: deque[tuple[float, str, str, tuple]] = deque()
         self.holder: str | None = None
         self.expires_at = 0.0
         self.info: dict[str, Any] = {}
 
-    def record(self, at: float, entries: dict[str, tuple[int, int, int, list[float]]]) -> None:
+    def record(
+        self,
+        at: float,
+        entries: dict[str, tuple[int, int, int, list[float]]],
+        testers: dict[str, tuple[int, int, int, list[float]]] | None = None,
+        shadow: dict[tuple[str, str], tuple] | None = None,
+    ) -> None:
         for version, (requests, errors, fallbacks, latencies) in entries.items():
             self.windows.append((at, version, requests, errors, fallbacks, latencies))
-        while self.windows and self.windows[0][0] < at - self.keep_s:
-            self.windows.popleft()
+        for version, (requests, errors, fallbacks, latencies) in (testers or {}).items():
+            self.tester_windows.append((at, version, requests, errors, fallbacks, latencies))
+        for (version, role), tally in (shadow or {}).items():
+            self.shadow_windows.append((at, version, role, tally))
+        for window in (self.windows, self.tester_windows, self.shadow_windows):
+            while window and window[0][0] < at - self.keep_s:
+                window.popleft()
 
-    def summary(self, since: float, until: float | None = None) -> dict[str, dict[str, Any]]:
+    def summary(
+        self, since: float, until: float | None = None, testers: bool = False
+    ) -> dict[str, dict[str, Any]]:
         """Per version: requests, errors, error_rate, fallbacks (its failures answered by
-        another version), p50_ms and p99_ms, over reports made in [since, until]."""
+        another version), p50_ms and p99_ms, over reports made in [since, until]: users'
+        requests (what the gates judge), or with `testers` the testers' alone."""
         until = until if until is not None else time.time() + 1
         grouped: dict[str, list] = defaultdict(lambda: [0, 0, 0, []])
-        for at, version, requests, errors, fallbacks, latencies in self.windows:
+        for at, version, requests, errors, fallbacks, latencies in (
+            self.tester_windows if testers else self.windows
+        ):
             if since <= at <= until:
                 entry = grouped[version]
                 entry[0] += requests
@@ -107,6 +130,44 @@ class RouteState:
                 }
             )
         return dict(series)
+
+    def shadow_summary(self, since: float, until: float | None = None) -> dict[str, Any]:
+        """The shadow's figures over reports made in [since, until]: {"candidate": {version:
+        figures}, "noise_floor": {version: figures}} (workloads.serve.shadow.summarize_shadow;
+        the noise floor is the live version's own app against live)."""
+        until = until if until is not None else time.time() + 1
+        grouped: dict[tuple[str, str], list[tuple]] = defaultdict(list)
+        for at, version, role, tally in self.shadow_windows:
+            if since <= at <= until:
+                grouped[(role, version)].append(tally)
+        out: dict[str, Any] = {"candidate": {}, "noise_floor": {}}
+        for (role, version), tallies in grouped.items():
+            out.setdefault(role, {})[version] = summarize_shadow(tallies)
+        return out
+
+    def shadow_series(
+        self, since: float, until: float | None = None, bucket_s: float = 1.0
+    ) -> dict[str, dict[str, list[dict[str, Any]]]]:
+        """Per role and version, in time order, one point per `bucket_s` with copies: `at`,
+        compared, errors and agreement."""
+        until = until if until is not None else time.time() + 1
+        buckets: dict[tuple[str, str, int], list[tuple]] = defaultdict(list)
+        for at, version, role, tally in self.shadow_windows:
+            if since <= at <= until:
+                buckets[(role, version, int((at - since) // bucket_s))].append(tally)
+        series: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+        for (role, version, index), tallies in sorted(buckets.items()):
+            figures = summarize_shadow(tallies)
+            series[role][version].append(
+                {
+                    "at": since + index * bucket_s,
+                    "compared": figures["compared"],
+                    "errors": figures["errors"],
+                    "dropped": figures["dropped"],
+                    "agreement": figures["agreement"],
+                }
+            )
+        return {role: dict(versions) for role, versions in series.items()}
 
     def claim(self, holder: str, lease_s: float, info: dict[str, Any]) -> dict[str, Any]:
         """Take (or keep) the route for `holder` when it is free, lapsed or already
@@ -169,15 +230,28 @@ class RouteStateClient:
     """A router replica's side of the route's state: request figures, counted in the replica
     and flushed in batches, and the route's lease, polled in the background (`run`)."""
 
-    def __init__(self, route: str):
+    def __init__(self, route: str, shadow: Any = None):
         self.route = route
         self.pending: dict[str, list] = {}
+        self.pending_testers: dict[str, list] = {}
+        self.shadow = shadow  # the replica's workloads.serve.shadow.Mirror, if any
         self.actor: Any = None
         self.lease: dict[str, Any] = {}
-        self.lease_seen_at = 0.0
+        # Until when (time.monotonic()) the lease last seen holds: the expiry the actor gave,
+        # counted from when this replica asked, so never later than the actor's own.
+        self.lease_until = 0.0
 
-    def add(self, version: str, error: bool, latency_ms: float, fallback: bool = False) -> None:
-        entry = self.pending.setdefault(version, [0, 0, 0, []])
+    def add(
+        self,
+        version: str,
+        error: bool,
+        latency_ms: float,
+        fallback: bool = False,
+        tester: bool = False,
+    ) -> None:
+        """Count one answer: a user's (what the gates judge), or a tester's, kept apart."""
+        pending = self.pending_testers if tester else self.pending
+        entry = pending.setdefault(version, [0, 0, 0, []])
         entry[0] += 1
         entry[1] += int(error)
         entry[2] += int(fallback)
@@ -189,18 +263,25 @@ class RouteStateClient:
                 entry[3][slot] = latency_ms
 
     def holds(self, rollout: RolloutRecord | None) -> bool:
-        """Whether `rollout` holds the route's lease, as last confirmed."""
+        """Whether `rollout` holds the route's lease: its holder's, as last seen, and not past
+        the expiry the actor last gave (a holder that stops renewing loses it then, even
+        while the actor does not answer; a slow poll under load does not lose it early)."""
         return (
             rollout is not None
             and self.lease.get("held") is True
             and self.lease.get("holder") == rollout.holder
-            and time.monotonic() - self.lease_seen_at < LEASE_STALE_S
+            and time.monotonic() < self.lease_until
         )
 
-    async def summary(self, since: float, timeout_s: float) -> dict[str, dict[str, Any]]:
+    async def summary(
+        self, since: float, timeout_s: float, testers: bool = False
+    ) -> dict[str, dict[str, Any]]:
         """The route's per-version figures since `since` (time.time()), as every replica
         reported them; raises when the route's state does not answer within `timeout_s`."""
-        return await asyncio.wait_for(self._actor().summary.remote(since), timeout_s)
+        return await asyncio.wait_for(self._actor().summary.remote(since, None, testers), timeout_s)
+
+    async def shadow_summary(self, since: float, timeout_s: float) -> dict[str, Any]:
+        return await asyncio.wait_for(self._actor().shadow_summary.remote(since), timeout_s)
 
     def _actor(self) -> Any:
         if self.actor is None:
@@ -212,15 +293,23 @@ class RouteStateClient:
         while True:
             await asyncio.sleep(STATS_FLUSH_S)
             try:
-                if self.pending:
+                shadow = self.shadow.take() if self.shadow is not None else {}
+                if self.pending or self.pending_testers or shadow:
                     pending, self.pending = self.pending, {}
+                    testers, self.pending_testers = self.pending_testers, {}
                     self._actor().record.remote(
-                        time.time(), {v: tuple(e) for v, e in pending.items()}
+                        time.time(),
+                        {v: tuple(e) for v, e in pending.items()},
+                        {v: tuple(e) for v, e in testers.items()},
+                        shadow,
                     )
                 if time.monotonic() - polled >= LEASE_POLL_S:
                     polled = time.monotonic()
-                    self.lease = await asyncio.wait_for(self._actor().lease.remote(), LEASE_STALE_S)
-                    self.lease_seen_at = time.monotonic()
+                    lease = await asyncio.wait_for(
+                        self._actor().lease.remote(), LEASE_POLL_TIMEOUT_S
+                    )
+                    self.lease = lease
+                    self.lease_until = polled + (lease.get("expires_in_s") or 0.0)
             except Exception:  # figures and leases must never break serving
                 logger.exception("router %s: route state unreachable", self.route)
                 self.actor = None
@@ -243,9 +332,34 @@ def route_series(
     actor = route_state(route, create=False)
     if actor is None:
         return {}
+    return ray.get(actor.series.remote(since, until, _bucket_s(since, until, points)), timeout=10)
+
+
+def _bucket_s(since: float, until: float | None, points: int) -> float:
+    """Buckets of at least a second, about `points` of them over [since, until]."""
     span = (until if until is not None else time.time()) - since
-    bucket_s = max(1.0, span / max(points, 1))
-    return ray.get(actor.series.remote(since, until, bucket_s), timeout=10)
+    return max(1.0, span / max(points, 1))
+
+
+def route_shadow(route: str, since: float, until: float | None = None) -> dict[str, Any]:
+    """The shadow's figures the route's routers reported since `since` (see
+    RouteState.shadow_summary); empty roles when the route has no state."""
+    actor = route_state(route, create=False)
+    if actor is None:
+        return {"candidate": {}, "noise_floor": {}}
+    return ray.get(actor.shadow_summary.remote(since, until), timeout=10)
+
+
+def route_shadow_series(
+    route: str, since: float, until: float | None = None, points: int = 240
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """The shadow's agreement over time (see RouteState.shadow_series), bucketed as
+    route_series; empty when the route has no state."""
+    actor = route_state(route, create=False)
+    if actor is None:
+        return {}
+    bucket_s = _bucket_s(since, until, points)
+    return ray.get(actor.shadow_series.remote(since, until, bucket_s), timeout=10)
 
 
 def lease_of(route: str) -> dict[str, Any] | None:

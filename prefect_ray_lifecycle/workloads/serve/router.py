@@ -7,9 +7,17 @@ gates the router hosts it in its own replicas (workloads.serve.hosted: a policy,
 engine when the route's router runs in the LLM venv), so steady-state requests pay no extra
 hop; while it loads, or if its engine stops, requests go to the version's app as before.
 
+Which version answers: the candidate's share of requests, drawn per request, or per session
+for a request with a session key (a stable hash: the same session stays on one version while
+the share holds); a tester's `X-Canary` header where the route lets testers in
+(workloads.serve.traffic). In a shadow stage users get live's answers only, and copies of a
+share of them go to the candidate, sent and compared off the users' path
+(workloads.serve.shadow).
+
 Safety lives here, not in the flow that drives it:
-- a candidate share is served only while the rollout that set it holds the route's lease
-  (workloads.serve.route_state); when the lease lapses the router serves the live version only;
+- a candidate share (or its shadow copies, or a tester's way to it) is served only while the
+  rollout that set it holds the route's lease (workloads.serve.route_state); when the lease
+  lapses the router serves the live version only;
 - a request the candidate (or, during a bake, the freshly swapped version) fails with a 5xx,
   a connection error or a timeout is answered once more by the version it would otherwise
   have gone to, within the request's own timeout, and the failure still counts against the
@@ -31,13 +39,17 @@ from typing import Any
 
 from ray import serve
 
-from prefect_ray_lifecycle.workloads.constants import FALLBACK_HEADER, ROUTER_DEPLOYMENT
+from prefect_ray_lifecycle.workloads.constants import (
+    FALLBACK_HEADER,
+    ROUTER_DEPLOYMENT,
+    SHADOW_KEY,
+)
 from prefect_ray_lifecycle.workloads.http import (
     MAX_BODY_BYTES,
     BadRequest,
     describe,
     json_response,
-    parse_json,
+    peek_field,
     request_dict,
     tagged_headers,
     to_response,
@@ -45,6 +57,17 @@ from prefect_ray_lifecycle.workloads.http import (
 from prefect_ray_lifecycle.workloads.serve.hosted import Hosted, host
 from prefect_ray_lifecycle.workloads.serve.route_state import FIGURES_KEEP_S, RouteStateClient
 from prefect_ray_lifecycle.workloads.serve.router_config import RouterConfig, Target
+from prefect_ray_lifecycle.workloads.serve.shadow import (
+    Copy,
+    Mirror,
+    greedy_llm_request,
+)
+from prefect_ray_lifecycle.workloads.serve.traffic import (
+    canary_choice,
+    episode_key,
+    session_key,
+    sticky_draw,
+)
 
 __all__ = ["Router", "build_router_app", "status_window"]
 
@@ -67,7 +90,8 @@ class Router:
         self.loading: str | None = None
         self.load_error: str | None = None
         self.rejected_config: str | None = None
-        self.state = RouteStateClient(route)
+        self.mirror = Mirror(self._forward)
+        self.state = RouteStateClient(route, shadow=self.mirror)
         self._lock = threading.Lock()
         self._background: asyncio.Task | None = None
 
@@ -163,11 +187,15 @@ class Router:
         self._start_background()
         config, inline = self.config, self.inline
         share = self.candidate_share(config)
-        lapsed = config.candidate is not None and share == 0.0
+        # In a shadow stage the share is 0 by design: lapsed means the lease is not held.
+        lapsed = config.candidate is not None and not self.state.holds(config.rollout)
         extra = {} if window_s is None else {"figures": await self._figures(window_s)}
+        shown = config.as_dict()
+        if shown["testers"]["token_sha256"]:  # a digest of a secret is still not shown
+            shown["testers"]["token_sha256"] = "set"
         return {
             "route": self.route,
-            "config": config.as_dict(),
+            "config": shown,
             "candidate_share": share,
             "lease": {
                 "holder": self.state.lease.get("holder"),
@@ -184,6 +212,10 @@ class Router:
             "loading": self.loading,
             "load_error": self.load_error,
             "rejected_config": self.rejected_config,
+            "shadow": {
+                "active": config.shadow is not None and not lapsed,
+                **self.mirror.status(),
+            },
             **extra,
         }
 
@@ -191,10 +223,11 @@ class Router:
         """{"window_s", "versions": {version: summary}}; with "error" and no versions when
         the route's state did not answer in time (status never fails for it)."""
         figures: dict[str, Any] = {"window_s": window_s, "versions": {}}
+        since = time.time() - window_s
         try:
-            figures["versions"] = await self.state.summary(
-                time.time() - window_s, FIGURES_TIMEOUT_S
-            )
+            figures["versions"] = await self.state.summary(since, FIGURES_TIMEOUT_S)
+            figures["testers"] = await self.state.summary(since, FIGURES_TIMEOUT_S, testers=True)
+            figures["shadow"] = await self.state.shadow_summary(since, FIGURES_TIMEOUT_S)
         except Exception as error:
             figures["error"] = f"route state unreachable: {type(error).__name__}: {error}"[:300]
         return figures
@@ -220,16 +253,25 @@ class Router:
         started = time.perf_counter()
         req = await request_dict(request, self.max_body_bytes)
         config = self.config
-        use_candidate = random.random() < self.candidate_share(config)
-        target = config.candidate if use_candidate else config.live
-        if target is None:
+        if config.live is None:
             return to_response(
                 json_response(503, {"error": f"route {self.route} has no live version"})
             )
+        try:
+            use_candidate, tester, copy = self._choose(req, config)
+        except BadRequest as error:
+            answer = json_response(error.status, {"error": error.message})
+            answer["headers"] = tagged_headers(answer["headers"], config.live.version)
+            return to_response(answer)
+        target = config.candidate if use_candidate else config.live
         backup = (config.live if use_candidate else config.previous) if config.fallback else None
         budget = config.timeout_s * (1 - FALLBACK_SHARE) if backup else config.timeout_s
+        if copy is not None:  # live is asked for what the comparison needs
+            req = {**req, SHADOW_KEY: True}
         if target.kind == "llm" and _wants_stream(req):
-            return await self._stream(target, backup, req, config.timeout_s, budget)
+            return await self._stream(
+                target, backup, req, config.timeout_s, budget, tester is not None, copy
+            )
         answer = await self._answer(target, req, budget)
         failed = answer["status"] >= 500
         failed_ms = _ms_since(started)
@@ -237,7 +279,12 @@ class Router:
         if failed and backup is not None:
             retry_started = time.perf_counter()
             second = await self._answer(backup, req, config.timeout_s - budget)
-            self.state.add(backup.version, second["status"] >= 500, _ms_since(retry_started))
+            self.state.add(
+                backup.version,
+                second["status"] >= 500,
+                _ms_since(retry_started),
+                tester=tester is not None,
+            )
             if second["status"] < 500:
                 answer, answered, extra = (
                     second,
@@ -245,9 +292,56 @@ class Router:
                     {FALLBACK_HEADER: target.version},
                 )
         # The failure counts against the version that failed, answered or not.
-        self.state.add(target.version, failed, failed_ms, fallback=extra is not None)
+        self.state.add(
+            target.version, failed, failed_ms, fallback=extra is not None, tester=tester is not None
+        )
+        if copy is not None and answer["status"] == 200 and answered is target:
+            self._mirror(config, copy, answer.get(SHADOW_KEY), failed_ms)
         answer["headers"] = tagged_headers(answer["headers"], answered.version, extra)
         return to_response(answer)
+
+    def _choose(
+        self, req: dict[str, Any], config: RouterConfig
+    ) -> tuple[bool, str | None, dict[str, Any] | None]:
+        """(whether the candidate answers, the tester's choice that decided it, the copy to
+        send the candidate in a shadow stage). A request with a session key is drawn by its
+        key, so that a session stays on one version while the share holds."""
+        candidate = config.candidate
+        held = candidate is not None and self.state.holds(config.rollout)
+        tester = (
+            canary_choice(req, config.testers.mode, config.testers.token_sha256) if held else None
+        )
+        key = session_key(req)
+        if tester is not None:
+            return tester == "always", tester, None
+        share = config.candidate_weight if held else 0.0
+        if share > 0.0:
+            if key is None and config.live.kind == "policy":
+                key = episode_key(req.get("body") or b"")
+            draw = sticky_draw(candidate.version, key) if key is not None else random.random()
+            return draw < share, None, None
+        copy = None
+        if held and config.shadow is not None:
+            copy = req if candidate.kind == "policy" else greedy_llm_request(req)
+            if copy is not None and not self.mirror.admit(config.shadow):
+                copy = None
+        return False, None, copy
+
+    def _mirror(
+        self,
+        config: RouterConfig,
+        request: dict[str, Any],
+        live: dict[str, Any] | None,
+        live_ms: float,
+    ) -> None:
+        """Queue the copies of a request live answered: to the candidate, and with the
+        noise floor to live's own app again. Never waits."""
+        request = {**request, SHADOW_KEY: True}
+        roles = [(config.candidate, "candidate")]
+        if config.shadow.noise_floor:
+            roles.append((config.live, "noise_floor"))
+        for target, role in roles:
+            self.mirror.offer(Copy(target, role, request, live, live_ms, config.timeout_s))
 
     async def _answer(self, target: Target, req: dict[str, Any], timeout_s: float):
         hosted = self._hosted(target)
@@ -271,10 +365,13 @@ class Router:
         req: dict[str, Any],
         timeout_s: float,
         budget: float,
+        tester: bool = False,
+        copy: dict[str, Any] | None = None,
     ) -> Any:
         """Stream a target's chunks through: its first item is {"status", "headers"}. The
         timeout covers the wait for it (time to first token), and a failure before it falls
-        back like any other request; after the first byte there is no going back."""
+        back like any other request; after the first byte there is no going back. With a
+        shadow `copy`, live's last item carries its token ids, kept from the user."""
         from starlette.responses import StreamingResponse
 
         started = time.perf_counter()
@@ -289,23 +386,33 @@ class Router:
                     opened, answered = second, backup
                     extra = {FALLBACK_HEADER: target.version}
                 else:
-                    self.state.add(backup.version, True, _ms_since(started))
-            self.state.add(target.version, True, failed_ms, fallback=extra is not None)
+                    self.state.add(backup.version, True, _ms_since(started), tester=tester)
+            self.state.add(
+                target.version, True, failed_ms, fallback=extra is not None, tester=tester
+            )
         if not isinstance(opened, tuple):
             opened["headers"] = tagged_headers(opened["headers"], target.version)
             return to_response(opened)
         stream, head = opened
+        config = self.config
 
         async def chunks():
             failed = head.get("status", 200) >= 500
+            extras = None
             try:
                 async for chunk in stream:
+                    if isinstance(chunk, dict):  # the shadow's extras, not for the user
+                        extras = chunk.get(SHADOW_KEY)
+                        continue
                     yield chunk
             except Exception:
                 failed = True
                 raise
             finally:
-                self.state.add(answered.version, failed, _ms_since(started))
+                elapsed = _ms_since(started)
+                self.state.add(answered.version, failed, elapsed, tester=tester)
+                if copy is not None and not failed and answered is target:
+                    self._mirror(config, copy, extras, elapsed)
 
         headers = tagged_headers(head.get("headers", {}), answered.version, extra)
         return StreamingResponse(chunks(), status_code=head.get("status", 200), headers=headers)
@@ -396,14 +503,7 @@ def status_window(values: list[str]) -> int:
 
 def _wants_stream(req: dict[str, Any]) -> bool:
     """An OpenAI-style `"stream": true` request (LLM targets answer it in chunks)."""
-    body = req.get("body", b"")
-    if b'"stream"' not in body:
-        return False
-    try:
-        payload = parse_json(body)
-    except BadRequest:  # the target answers it with its own 4xx
-        return False
-    return isinstance(payload, dict) and payload.get("stream") is True
+    return peek_field(req.get("body", b""), "stream") is True
 
 
 def build_router_app(args: dict[str, Any]) -> Any:
