@@ -19,6 +19,7 @@ from prefect_ray_lifecycle.compat import Symbol
 
 __all__ = [
     "SYMBOLS",
+    "actor_class",
     "dashboard_url",
     "forget_serve_client",
     "internal_kv_del",
@@ -44,6 +45,7 @@ __all__ = [
 # when an upgrade removed or moved it.
 SYMBOLS: tuple[Symbol, ...] = (
     Symbol("ray._private.worker", "global_worker"),
+    Symbol("ray.actor", "ActorHandle._ray_actor_creation_function_descriptor", instance=True),
     Symbol("ray._private.worker", "Worker.mode", instance=True),
     Symbol("ray._private.worker", "Worker.core_worker", instance=True),
     Symbol("ray._raylet", "CoreWorker.get_current_task_attempt_number"),
@@ -184,6 +186,15 @@ def serve_client() -> Any:
     """This driver's Serve controller client, connecting to a running Serve. Relies on
     `ray.serve.context._connect()`."""
     return _module("ray.serve.context")._connect()
+
+
+def actor_class(handle: Any) -> str:
+    """`module.Class` of the class an actor was created from, read from its handle (a handle
+    of a named actor another layout created carries its methods' signatures only when this
+    process can import that class). Relies on the handle's
+    `_ray_actor_creation_function_descriptor` (module_name, class_name)."""
+    descriptor = handle._ray_actor_creation_function_descriptor
+    return f"{descriptor.module_name}.{descriptor.class_name}"
 
 
 def serve_client_if_running() -> Any:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from prefect_ray_lifecycle.compat.ray_internals import actor_class
 from prefect_ray_lifecycle.workloads.constants import SERVE_NAMESPACE
 from prefect_ray_lifecycle.workloads.figures import percentile, summarize
 from prefect_ray_lifecycle.workloads.serve.shadow import summarize_shadow
@@ -208,22 +209,51 @@ class RouteState:
         return self.holder == holder and time.monotonic() < self.expires_at
 
 
+_THIS_CLASS = f"{__name__}.RouteState"
+
+
 def route_state(route: str, create: bool = True) -> Any:
-    """The route's state actor (created when missing, unless `create` is False: then None)."""
+    """The route's state actor (created when missing, unless `create` is False: then None).
+
+    A route's actor that an earlier layout created (its class under another module, e.g.
+    `workloads.route_state` before the one import package) is replaced by this one: this
+    process cannot load that class, so its handle would take keyword arguments only. What is
+    lost is seconds of request figures and a lease, which no rollout of today's code holds."""
     name = route_state_name(route)
-    if not create:
+    for _ in range(3):
         try:
-            return ray.get_actor(name, namespace=SERVE_NAMESPACE)
+            actor = ray.get_actor(name, namespace=SERVE_NAMESPACE)
         except ValueError:
-            return None
-    return RouteState.options(
-        name=name,
-        namespace=SERVE_NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
-        # On the head, with Serve's controller: losing a worker node must not lose the lease.
-        resources={HEAD_NODE_RESOURCE: 0.001},
-    ).remote()
+            actor = None
+        if actor is not None and actor_class(actor) != _THIS_CLASS:
+            logger.warning("route %s: replacing its state actor of %s", route, actor_class(actor))
+            ray.kill(actor, no_restart=True)
+            _wait_gone(name)
+            continue
+        if actor is not None or not create:
+            return actor
+        actor = RouteState.options(
+            name=name,
+            namespace=SERVE_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            # On the head, with Serve's controller: losing a worker node must not lose the lease.
+            resources={HEAD_NODE_RESOURCE: 0.001},
+        ).remote()
+        # An old router may have recreated its own class in the meantime: check again.
+        if actor_class(actor) == _THIS_CLASS:
+            return actor
+    raise RuntimeError(f"route {route}: its state actor keeps coming back as another class")
+
+
+def _wait_gone(name: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=SERVE_NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.1)
 
 
 class RouteStateClient:
