@@ -127,7 +127,7 @@ def prepare_task_span(flow_run_id, timeout: float = 20.0) -> tuple[float, float]
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter
 
-    from deployments.watch import wait_for
+    from deployments.testing.watch import wait_for
 
     with get_client(sync_client=True) as client:
 

@@ -1,7 +1,7 @@
 """The llm-finetune flow against a plain TorchTrainer script on the same data, steps and workers;
 and the same flow with a training worker killed (SIGKILL) or a node drained as a Spot reclaim.
 
-A temporary stack (deployments.stack: a `ray start --head`, Prefect, MLflow) and, for every
+A temporary stack (deployments.testing.stack: a `ray start --head`, Prefect, MLflow) and, for every
 run, a fresh second node (deployments.worker_node): the two workers are spread one per node
 (SPREAD), so a drain of the second node takes one of them. The corpus is the generated
 "count" corpus (workloads.llm.corpus), prepared once by the data-prep flow; the base is the
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-cpus", type=int, default=4)
     args = parser.parse_args(argv)
 
-    from deployments.stack import pointed_at, temporary_stack
+    from deployments.testing.stack import pointed_at, temporary_stack
     from deployments.worker_node import join
     from prefect_ray_lifecycle.flows.llm_finetune import llm_finetune
     from prefect_ray_lifecycle.workloads.llm import corpus

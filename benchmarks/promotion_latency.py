@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-s", type=float, default=10.0, help="the rollout's route lease")
     args = parser.parse_args(argv)
 
-    from deployments.stack import pointed_at, temporary_stack
+    from deployments.testing.stack import pointed_at, temporary_stack
 
     with temporary_stack(ray_num_cpus=4, prefix="bench-promo-") as stack:
         with pointed_at(stack):
@@ -85,8 +85,8 @@ def run(
     from prefect.client.orchestration import get_client
     from ray.rllib.algorithms.ppo import PPOConfig
 
-    from deployments.stack import deployed
-    from deployments.watch import started_run, wait_for
+    from deployments.testing.stack import deployed
+    from deployments.testing.watch import started_run, wait_for
     from prefect_ray_lifecycle.control import registry
 
     client = MlflowClient(stack.mlflow_uri)
@@ -173,8 +173,8 @@ def crash_in_canary(
 ) -> dict[str, Any]:
     """Move `champion` to `version`, kill -9 its rollout once the canary sends the candidate
     traffic, under closed-loop load; the route's way back to safe and to converged."""
-    from deployments.load import ClosedLoop
-    from deployments.watch import kill_flow_run, route_status, started_run, wait_for
+    from deployments.testing.load import ClosedLoop
+    from deployments.testing.watch import kill_flow_run, route_status, started_run, wait_for
     from prefect_ray_lifecycle.control import registry
 
     port = stack.serve_port
@@ -217,7 +217,7 @@ def interval_peer(
     it, and to `live` moving."""
     from prefect.client.schemas.schedules import IntervalSchedule
 
-    from deployments.watch import wait_for
+    from deployments.testing.watch import wait_for
     from prefect_ray_lifecycle.control import registry
 
     if not intervals:
@@ -302,7 +302,7 @@ def drop_scheduled_runs(prefect: Any, deployment_id: Any) -> None:
 
 def settled_runs(prefect: Any, timeout: float = 600) -> None:
     """Wait until no reconcile run is running or waiting for its slot."""
-    from deployments.watch import deployment_runs, wait_for
+    from deployments.testing.watch import deployment_runs, wait_for
 
     def settled() -> bool:
         return not any(

@@ -32,7 +32,7 @@ import time
 import uuid
 from typing import Any
 
-from deployments.load import ClosedLoop, OpenLoop
+from deployments.testing.load import ClosedLoop, OpenLoop
 from prefect_ray_lifecycle.workloads.figures import percentile
 
 ROUTE = "bench"
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    from deployments.stack import pointed_at, temporary_stack
+    from deployments.testing.stack import pointed_at, temporary_stack
 
     with temporary_stack(ray_num_cpus=4, prefix="bench-serve-") as stack:
         with pointed_at(stack):
@@ -95,7 +95,7 @@ def window_latencies(load: OpenLoop, skip_s: float = 1.0) -> tuple[float, float]
 def shadow_cost(port: int, name: str, live: str, shadow_s: float, rounds: int) -> dict[str, Any]:
     """Users' latency with every request copied to an identical candidate, against the same
     open-loop load (half the measured capacity) without copies, in alternating windows."""
-    from deployments import drive
+    from deployments.testing import drive
     from prefect_ray_lifecycle.control import serve_control
     from prefect_ray_lifecycle.workloads.serve.route_state import route_shadow
     from prefect_ray_lifecycle.workloads.serve.router_config import Shadow, Target
@@ -136,7 +136,7 @@ def shadow_cost(port: int, name: str, live: str, shadow_s: float, rounds: int) -
 def sticky_sessions(result: Any, load: ClosedLoop, steps: list[float]) -> dict[str, Any]:
     """Sessions that saw two versions within one canary step (fallbacks excluded), and the
     share of sessions on the candidate in each step."""
-    from deployments.watch import sessions_per_step, stage_windows
+    from deployments.testing.watch import sessions_per_step, stage_windows
 
     names = [f"canary {w:.0%}" for w in steps]
     windows = stage_windows(result.timeline, names)

@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Any
 
-from deployments.load import ClosedLoop
+from deployments.testing.load import ClosedLoop
 
 ROUTE = "soak"
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
 
-    from deployments.stack import pointed_at, temporary_stack
+    from deployments.testing.stack import pointed_at, temporary_stack
 
     with temporary_stack(ray_num_cpus=4, prefix="bench-soak-") as stack:
         with pointed_at(stack):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.stack import Stack, environ, pointed_at, temporary_stack
+from deployments.testing.stack import Stack, environ, pointed_at, temporary_stack
 from prefect_ray_lifecycle.workloads.constants import llm_python
 from prefect_ray_lifecycle.workloads.rl.rllib import module_path
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from deployments.stack import Stack
+from deployments.testing.stack import Stack
 from deployments.worker_node import WORKER_RESOURCE, WorkerNode, join
 
 __all__ = ["WORKER_CPUS", "WORKER_RESOURCE", "second_node"]

@@ -22,9 +22,15 @@ import pytest
 from mlflow import MlflowClient
 
 from deployments import approve, local
-from deployments.load import ClosedLoop
-from deployments.stack import SCHEDULER_ENV, deployed, environ, pointed_at
-from deployments.watch import deployment_runs, kill_flow_run, route_status, started_run, wait_for
+from deployments.testing.load import ClosedLoop
+from deployments.testing.stack import SCHEDULER_ENV, deployed, environ, pointed_at
+from deployments.testing.watch import (
+    deployment_runs,
+    kill_flow_run,
+    route_status,
+    started_run,
+    wait_for,
+)
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.tasks.rollout.approval import APPROVAL_FLOW
 

@@ -125,14 +125,22 @@ def test_blocks_register_with_the_prefect_cli(stack, prefect_client):
         assert schema.fields["properties"][field].get("description"), field
 
 
-def test_a_ray_client_connection_whose_server_failed_to_start_is_tried_once_more(monkeypatch):
+def test_a_ray_client_connection_whose_server_failed_to_start_is_tried_again_with_backoff(
+    monkeypatch, tmp_path
+):
     """Ray Client's head starts one server process per connection; on a busy head that start
     can fail (`ConnectionAbortedError: ... Starting Ray client server failed`). Only that
-    failure, only through ray://, is tried a second time, after a reset; a second failure
-    and anything else surface as they are."""
+    failure, only through ray://, is tried again, after a reset, with the pause doubling;
+    the last failure quotes the head's client server log when it is on this machine, and
+    anything else surfaces as it is."""
     from prefect_ray_lifecycle.blocks import ray_cluster
 
-    monkeypatch.setattr(ray_cluster, "CLIENT_RETRY_PAUSE_S", 0.0)
+    pauses: list[float] = []
+    monkeypatch.setattr(ray_cluster.time, "sleep", pauses.append)
+    logs = tmp_path / "session_2026-12-01_00-00-00_000000_1" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "ray_client_server_23000.err").write_text("boot\nOSError: no space left on device\n")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     failed = ConnectionAbortedError(
         "Initialization failure from server:\nRuntimeError: Starting Ray client server "
         "failed. See ray_client_server_23000.err for detailed logs."
@@ -149,15 +157,23 @@ def test_a_ray_client_connection_whose_server_failed_to_start_is_tried_once_more
         return connect
 
     address = "ray://127.0.0.1:10001"
-    assert ray_cluster.retry_client_start(flaky(1), address, lambda: resets.append(1)) == (
-        "connected"
-    )
-    assert (len(calls), len(resets)) == (2, 1)
+    attempts = ray_cluster.CLIENT_ATTEMPTS
+    assert ray_cluster.retry_client_start(
+        flaky(attempts - 1), address, lambda: resets.append(1)
+    ) == ("connected")
+    assert (len(calls), len(resets)) == (attempts, attempts - 1)
+    first = ray_cluster.CLIENT_RETRY_PAUSE_S
+    assert pauses == [first * 2**n for n in range(attempts - 1)]
+
+    calls.clear()
+    with pytest.raises(ConnectionAbortedError, match="no space left on device") as raised:
+        ray_cluster.retry_client_start(flaky(attempts), address, lambda: None)
+    assert f"{attempts} times" in str(raised.value) and len(calls) == attempts
     for connect, where in (
-        (flaky(2), address),  # failed twice: the second failure is the answer
         (flaky(1), "127.0.0.1:6379"),  # not Ray Client
         (flaky(1, ConnectionAbortedError("auth failed")), address),  # another failure
     ):
         calls.clear()
         with pytest.raises(ConnectionAbortedError):
             ray_cluster.retry_client_start(connect, where, lambda: None)
+        assert len(calls) == 1

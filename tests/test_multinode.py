@@ -225,7 +225,7 @@ def test_a_node_lost_during_a_canary_is_caught_by_the_gates_and_no_user_sees_it(
     the requests it loses from live, the gates reject the candidate, live keeps serving."""
     from mlflow import MlflowClient
 
-    from deployments.load import ClosedLoop
+    from deployments.testing.load import ClosedLoop
     from prefect_ray_lifecycle.control import registry, serve_control
     from prefect_ray_lifecycle.flows.rollout import RolloutFailed, serve_rollout
     from prefect_ray_lifecycle.tasks.rollout.config import Gates, Serving

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from deployments.load import ClosedLoop
+from deployments.testing.load import ClosedLoop
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.flows.reconcile import reconcile

@@ -20,8 +20,8 @@ from mlflow import MlflowClient
 
 from deployments import lineage as walkback
 from deployments import setup
-from deployments.stack import environment as stack_environment
-from deployments.stack import undeploy
+from deployments.testing.stack import environment as stack_environment
+from deployments.testing.stack import undeploy
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.tasks import lineage

@@ -57,6 +57,35 @@ def test_the_smoke_flow_over_ray_client_records_its_task_runs_and_says_what_it_l
     assert [log.level for log in warnings] == [logging.WARNING]
 
 
+def test_the_runner_used_outside_any_flow_run_over_ray_client_runs_its_task(stack):
+    """A runner used as a library (no flow run): the Ray Client warning goes to the module's
+    logger (there is no run logger to take it) and the task's answer comes back."""
+    from prefect import task
+    from prefect.logging.loggers import get_logger
+
+    from prefect_ray_lifecycle.ray_runner import RayClusterTaskRunner
+
+    @task
+    def where(x: int) -> tuple[int, str]:
+        import ray
+
+        return x * 2, ray.get_runtime_context().get_node_id()
+
+    said: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = said.append
+    logger = get_logger("prefect_ray_lifecycle.ray_runner.runner")
+    logger.addHandler(handler)
+    try:
+        with RayClusterTaskRunner(client_cluster(stack)) as runner:
+            future = runner.submit(where, parameters={"x": 21}, wait_for=[])
+            doubled, node = future.result(timeout=120)
+    finally:
+        logger.removeHandler(handler)
+    assert doubled == 42 and node  # it ran in a Ray worker of the cluster
+    assert [record.getMessage() for record in said] == [RAY_CLIENT_LIMITS]
+
+
 def client_cluster(stack) -> RayCluster:
     return RayCluster(
         address=stack.ray_client_address, auth_token=stack.ray_token, serve_port=stack.serve_port
@@ -96,7 +125,7 @@ def test_a_sweep_over_ray_client_runs_its_trials_on_the_cluster_and_returns_a_ch
 def test_a_rollout_over_ray_client_serves_the_version_through_the_gates(stack, checkpoints):
     from mlflow import MlflowClient
 
-    from deployments.load import OBSERVATION
+    from deployments.testing.load import OBSERVATION
     from prefect_ray_lifecycle.blocks import MLflowServer
     from prefect_ray_lifecycle.control import registry, serve_control
     from prefect_ray_lifecycle.flows.rollout import serve_rollout

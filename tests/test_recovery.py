@@ -20,9 +20,9 @@ import pytest
 from mlflow import MlflowClient
 
 from deployments import local
-from deployments.load import ClosedLoop
-from deployments.stack import deployed
-from deployments.watch import (
+from deployments.testing.load import ClosedLoop
+from deployments.testing.stack import deployed
+from deployments.testing.watch import (
     deployment_runs,
     kill_flow_run,
     route_status,

@@ -19,7 +19,7 @@ import requests
 from mlflow import MlflowClient
 from prefect.concurrency.sync import concurrency
 
-from deployments.load import OBSERVATION, ClosedLoop
+from deployments.testing.load import OBSERVATION, ClosedLoop
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.flows.reconcile import reconcile

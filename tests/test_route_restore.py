@@ -16,7 +16,7 @@ import pytest
 from mlflow import MlflowClient
 
 from deployments import local
-from deployments.load import OBSERVATION
+from deployments.testing.load import OBSERVATION
 from prefect_ray_lifecycle.blocks import MLflowServer, RayCluster
 from prefect_ray_lifecycle.control import registry
 from prefect_ray_lifecycle.flows.reconcile import reconcile

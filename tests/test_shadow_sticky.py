@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from mlflow import MlflowClient
 
-from deployments import drive
 from deployments import status as status_command
-from deployments.load import ClosedLoop
-from deployments.watch import sessions_per_step, stage_windows, wait_for
+from deployments.testing import drive
+from deployments.testing.load import ClosedLoop
+from deployments.testing.watch import sessions_per_step, stage_windows, wait_for
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.flows.rollout import RolloutFailed, serve_rollout

@@ -13,9 +13,9 @@ import pytest
 from mlflow import MlflowClient
 
 from deployments import local, setup
-from deployments.load import ClosedLoop
-from deployments.stack import deployed
-from deployments.watch import deployment_runs, route_status, started_run, wait_for
+from deployments.testing.load import ClosedLoop
+from deployments.testing.stack import deployed
+from deployments.testing.watch import deployment_runs, route_status, started_run, wait_for
 from prefect_ray_lifecycle.control import registry, serve_control
 
 MODEL = "cartpole-ppo"  # the model prefect.yaml's reconcile trigger watches

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from deployments import local, setup
-from deployments.stack import environment as stack_environment
+from deployments.testing.stack import environment as stack_environment
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 POOL = "user-project-pool"

@@ -27,8 +27,8 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from starlette.testclient import TestClient
 
 from deployments import local, receiver, setup
-from deployments.stack import environment as stack_environment
-from deployments.stack import undeploy
+from deployments.testing.stack import environment as stack_environment
+from deployments.testing.stack import undeploy
 from prefect_ray_lifecycle.blocks import MLflowWebhook
 from prefect_ray_lifecycle.blocks.mlflow_webhook import DEFAULT_EVENTS
 

@@ -70,30 +70,65 @@ def parse_address(value: str) -> str:
 
 
 CLIENT_SERVER_FAILED = "Starting Ray client server failed"
-CLIENT_RETRY_PAUSE_S = 1.0
+CLIENT_RETRY_PAUSE_S = 1.0  # doubled after each failed start
+CLIENT_ATTEMPTS = 4
 
 
 def client_server_failed(error: BaseException) -> bool:
     """Ray Client's head could not start this connection's own server process (seen on a
-    busy head); a second attempt gets a fresh one."""
+    busy head); a later attempt gets a fresh one."""
     return isinstance(error, ConnectionAbortedError) and CLIENT_SERVER_FAILED in str(error)
 
 
 def retry_client_start(connect: Callable[[], T], address: str, reset: Callable[[], None]) -> T:
-    """`connect()`; through Ray Client (ray://), once more after `reset()` when the head
-    failed to start the connection's server. Logged as a warning either way."""
-    try:
-        return connect()
-    except ConnectionAbortedError as error:
-        if not address.startswith("ray://") or not client_server_failed(error):
-            raise
-        logging.getLogger(__name__).warning(
-            "Ray Client at %s could not start this connection's server; trying once more",
-            address,
-        )
-        reset()
-        time.sleep(CLIENT_RETRY_PAUSE_S)
-        return connect()
+    """`connect()`; through Ray Client (ray://), tried again with backoff (after `reset()`)
+    while the head fails to start the connection's server, up to CLIENT_ATTEMPTS in all.
+    The last failure says what the head's client server log says, where this machine can
+    read it (a head on this machine), else where that log is."""
+    pause = CLIENT_RETRY_PAUSE_S
+    for attempt in range(1, CLIENT_ATTEMPTS + 1):
+        try:
+            return connect()
+        except ConnectionAbortedError as error:
+            if not address.startswith("ray://") or not client_server_failed(error):
+                raise
+            if attempt == CLIENT_ATTEMPTS:
+                raise ConnectionAbortedError(
+                    f"Ray Client at {address} failed to start this connection's server "
+                    f"{attempt} times: {_client_server_log(str(error))}"
+                ) from error
+            logging.getLogger(__name__).warning(
+                "Ray Client at %s could not start this connection's server (attempt %d of "
+                "%d); trying again in %.0f s",
+                address,
+                attempt,
+                CLIENT_ATTEMPTS,
+                pause,
+            )
+            reset()
+            time.sleep(pause)
+            pause *= 2
+    raise AssertionError("unreachable")
+
+
+def _client_server_log(message: str, lines: int = 20) -> str:
+    """The tail of the client server log Ray's message names, read from this machine's Ray
+    sessions when the head is here; else the message and where that log lives."""
+    named = re.search(r"ray_client_server_\d+\.err", message)
+    if named is None:
+        return message
+    roots = {os.environ.get("RAY_TMPDIR", ""), "/tmp/ray"} - {""}
+    found = [
+        path
+        for root in roots
+        for path in Path(root).glob(f"session_*/logs/{named.group(0)}")
+        if path.is_file()
+    ]
+    if not found:
+        return f"{message} (on the head: <its Ray session>/logs/{named.group(0)})"
+    newest = max(found, key=lambda path: path.stat().st_mtime)
+    tail = newest.read_text(errors="replace").splitlines()[-lines:]
+    return f"{newest} says:\n" + "\n".join(tail)
 
 
 def _forget_serve_handles() -> None:

@@ -224,7 +224,9 @@ class RayClusterTaskRunner(RayRunnerBase):
         flow_run_id = flow_run.flow_run.id if flow_run and flow_run.flow_run else None
         if self._warn_ray_client:
             self._warn_ray_client = False
-            get_run_logger().warning(RAY_CLIENT_LIMITS)
+            # Outside a flow run (a runner used as a library) there is no run logger.
+            logger = get_run_logger() if flow_run_id is not None else get_logger(__name__)
+            logger.warning(RAY_CLIENT_LIMITS)
         if flow_run_id is not None and self._flow_run_id is None and self._links_flow_run:
             # Not found while entering: linked at the first submit instead.
             self._flow_run_id = flow_run_id
