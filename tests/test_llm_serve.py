@@ -378,10 +378,10 @@ def test_a_version_served_from_mlflow_carries_its_label(serve_apps):
 def test_the_flow_process_never_imports_vllm(serve_apps):
     import importlib.util
 
-    # The replicas above served real completions; none of vLLM's stack came into this
-    # process, nor could it: the flow's venv does not have it.
-    for module in ("vllm", "transformers", "tokenizers"):
-        assert module not in sys.modules, module
+    # The replicas above served real completions; vLLM never came into this process, nor
+    # could it: the flow's venv does not have it. (transformers and tokenizers are in the
+    # flow's venv since the fine-tune: its checks and tiny base run here.)
+    assert not [name for name in sys.modules if name == "vllm" or name.startswith("vllm.")]
     assert importlib.util.find_spec("vllm") is None
 
 

@@ -188,12 +188,15 @@ def serve_client() -> Any:
     return _module("ray.serve.context")._connect()
 
 
-def actor_class(handle: Any) -> str:
+def actor_class(handle: Any) -> str | None:
     """`module.Class` of the class an actor was created from, read from its handle (a handle
     of a named actor another layout created carries its methods' signatures only when this
-    process can import that class). Relies on the handle's
-    `_ray_actor_creation_function_descriptor` (module_name, class_name)."""
-    descriptor = handle._ray_actor_creation_function_descriptor
+    process can import that class); None where the handle does not say (Ray Client's
+    handles). Relies on the handle's `_ray_actor_creation_function_descriptor`
+    (module_name, class_name)."""
+    descriptor = getattr(handle, "_ray_actor_creation_function_descriptor", None)
+    if descriptor is None:
+        return None
     return f"{descriptor.module_name}.{descriptor.class_name}"
 
 

@@ -225,7 +225,7 @@ def route_state(route: str, create: bool = True) -> Any:
             actor = ray.get_actor(name, namespace=SERVE_NAMESPACE)
         except ValueError:
             actor = None
-        if actor is not None and actor_class(actor) != _THIS_CLASS:
+        if actor is not None and actor_class(actor) not in (_THIS_CLASS, None):
             logger.warning("route %s: replacing its state actor of %s", route, actor_class(actor))
             ray.kill(actor, no_restart=True)
             _wait_gone(name)
@@ -241,7 +241,7 @@ def route_state(route: str, create: bool = True) -> Any:
             resources={HEAD_NODE_RESOURCE: 0.001},
         ).remote()
         # An old router may have recreated its own class in the meantime: check again.
-        if actor_class(actor) == _THIS_CLASS:
+        if actor_class(actor) in (_THIS_CLASS, None):  # None: Ray Client does not say
             return actor
     raise RuntimeError(f"route {route}: its state actor keeps coming back as another class")
 
