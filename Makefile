@@ -16,7 +16,10 @@ STAMP := $(VENV)/.installed
 UV_VERSION ?= 0.13.9
 UV := .uv/bin/uv
 UV_FLAGS = $(shell $(PYTHON) deployments/pip_to_uv.py) --index-strategy unsafe-best-match
-UV_INSTALL = $(UV) pip install -q $(UV_FLAGS) $(UV_C)
+# --compile-bytecode: uv writes no .pyc by default (pip did), and where PYTHONDONTWRITEBYTECODE
+# is set (CI, many containers) no process writes them either: every Python process (each Ray
+# worker, Serve replica and flow run) would compile torch, Ray and Prefect from source again.
+UV_INSTALL = $(UV) pip install -q --compile-bytecode $(UV_FLAGS) $(UV_C)
 CPU_TORCH = import torch; assert torch.version.cuda is None, 'torch ' + torch.__version__ + ' is a CUDA build'
 
 .PHONY: install llm-venv venvs demo test lint up down status clean
@@ -55,7 +58,12 @@ $(LLM_STAMP): constraints/llm.txt constraints/llm-overrides.txt $(CONSTRAINTS) |
 	$(LLM_BIN)/python -c "import vllm, ray, ray.serve; print('vllm', vllm.__version__, 'ray', ray.__version__)"
 	@touch $(LLM_STAMP)
 
+# The checkout's own code compiled once (see --compile-bytecode above); stale files are
+# recompiled in memory by Python, never trusted.
+COMPILE_OWN = $(BIN)/python -m compileall -q -j 0 prefect_ray_lifecycle deployments
+
 demo: install
+	@$(COMPILE_OWN)
 	$(BIN)/python -m deployments.demo
 
 # Test modules run whole on TEST_WORKERS pytest-xdist workers, each with its own services
@@ -67,6 +75,7 @@ venvs:
 	$(MAKE) -j2 install llm-venv
 
 test: venvs lint
+	@$(COMPILE_OWN) tests benchmarks
 	# A missing .venv-llm fails the LLM tests here instead of skipping them.
 	RLT_REQUIRE_LLM=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 

@@ -16,7 +16,10 @@ from deployments import local, setup
 from deployments.testing.load import ClosedLoop
 from deployments.testing.stack import deployed
 from deployments.testing.watch import deployment_runs, route_status, started_run, wait_for
+from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
+from prefect_ray_lifecycle.flows.reconcile import reconcile
+from prefect_ray_lifecycle.tasks.rollout.claim import run_and_subflows
 
 MODEL = "cartpole-ppo"  # the model prefect.yaml's reconcile trigger watches
 ROUTE = "policy"
@@ -107,7 +110,7 @@ def answers(port: int) -> str | None:
 
 
 def test_a_restarted_ray_head_gets_its_route_back_with_nobody_acting(
-    stack, lifecycle, prefect_client
+    stack, lifecycle, prefect_client, task_runs
 ):
     """The route's heartbeats stop with the head; the trigger's reconcile waits for the new
     head and restores the route from MLflow's `live`, through health and smoke."""
@@ -133,6 +136,22 @@ def test_a_restarted_ray_head_gets_its_route_back_with_nobody_acting(
     assert run.parameters == {**run.parameters, "model_name": MODEL, "kind": "policy"}
     assert not run.auto_scheduled
     assert registry.resolve_alias(client, MODEL, registry.LIVE).version == "1"
+    # Restored through the gates: its serve-rollout subflow deployed v1 and smoke-tested it.
+    (rollout,) = [r for r in run_and_subflows(prefect_client, run.id) if r.id != run.id]
+    assert prefect_client.read_flow(rollout.flow_id).name == "serve-rollout"
+    assert rollout.state.is_completed(), rollout.state.message
+    stages = {t.name.split("-")[0]: t.state.type.value for t in task_runs(rollout.id)}
+    assert stages["deploy_candidate"] == stages["smoke"] == "COMPLETED", stages
+    # Then what is served is what MLflow wants: nothing more to do.
+    cluster = stack.ray_cluster()
+    again = reconcile(
+        model_name=MODEL,
+        route=ROUTE,
+        ray_cluster=cluster,
+        mlflow_server=MLflowServer(tracking_uri=stack.mlflow_uri),
+        **FAST,
+    )
+    assert again.action == "in_sync", again
     print(f"route restored {restored_at - stopped:.0f} s after the head stopped")
 
 
