@@ -152,11 +152,30 @@ def task_runs(prefect_client):
 def checkpoints(stack, tmp_path_factory):
     """A PPO policy trained a little on CartPole ('good'), and the same policy with its action
     head forced to always push left ('bad', return about 9)."""
+    import fcntl
+
+    # Trained once per session: under xdist the workers share their session's temp dir, and
+    # the first to get here trains while the others wait for its files (same seed, same
+    # policy; the files are only read afterwards).
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    root = shared / "checkpoints"
+    with open(shared / "checkpoints.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "trained").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            _train_checkpoints(stack, root)
+            (root / "trained").touch()
+    return {"good": str(root / "good"), "bad": str(root / "bad")}
+
+
+def _train_checkpoints(stack, root: Path) -> None:
     import torch
     from ray.rllib.algorithms.ppo import PPOConfig
     from ray.rllib.core.rl_module.rl_module import RLModule
 
-    root = tmp_path_factory.mktemp("checkpoints")
     config = (
         PPOConfig()
         .environment("CartPole-v1")
@@ -172,6 +191,7 @@ def checkpoints(stack, tmp_path_factory):
             good = algo.save(str(root / "good")).checkpoint.path
         finally:
             algo.stop()
+    assert Path(good) == root / "good", good
     bad = shutil.copytree(good, root / "bad")
     module = RLModule.from_checkpoint(module_path(bad))
     with torch.no_grad():
@@ -181,7 +201,6 @@ def checkpoints(stack, tmp_path_factory):
                 if name.endswith("bias"):
                     parameter[0] = 10.0
     module.save_to_path(module_path(bad))
-    return {"good": str(good), "bad": str(bad)}
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,10 @@ from deployments import local, route_watch, setup
 from prefect_ray_lifecycle.workloads.constants import PROJECT_ROOT
 
 SCHEDULER_ENV = (("PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS", "2"),)
+# Serve's replicas log each request to their log files only (still under the head's session
+# logs/serve/), not also to stderr, which Ray's log monitor would ship to every driver: under
+# the tests' load that was a line per request through the monitor, the GCS and pytest.
+QUIET_SERVE = (("RAY_SERVE_LOG_TO_STDERR", "0"),)
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,9 @@ def temporary_stack(ray_num_cpus: int, prefix: str = "rlt-") -> Iterator[Stack]:
     )
     # Schedules are due within seconds here, not at the scheduler's next minute.
     services = [
-        dataclasses.replace(s, extra_env=SCHEDULER_ENV) if s.name == "prefect" else s
+        dataclasses.replace(s, extra_env={"prefect": SCHEDULER_ENV, "ray": QUIET_SERVE}[s.name])
+        if s.name in ("prefect", "ray")
+        else s
         for s in services
     ]
     try:
