@@ -70,6 +70,7 @@ def draw_finetune(
     cut = [
         int((later[0].get("resumed_from") or {}).get("tokens_seen", 0)) for later in attempts[1:]
     ] + [None]
+    lost_labelled = False
     for index, (attempt, until) in enumerate(zip(attempts, cut, strict=True)):
         points = [(r["tokens_seen"], r["loss"]) for r in attempt if r.get("loss") is not None]
         kept = [p for p in points if until is None or p[0] <= until]
@@ -93,9 +94,11 @@ def draw_finetune(
                 linestyle="--",
                 linewidth=1.8,
                 zorder=4,  # over the resumed attempt's line, which retraces the same tokens
-                label="steps lost to a failure (trained again)",
+                # One legend entry for every attempt's lost steps.
+                label=None if lost_labelled else "steps lost to a failure (trained again)",
                 gid=f"lost:{index}",
             )
+            lost_labelled = True
     evals = [(r["tokens_seen"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
     if evals:
         axes.plot(
