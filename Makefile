@@ -68,7 +68,7 @@ demo: install
 
 # Test modules run whole on TEST_WORKERS pytest-xdist workers, each with its own services
 # (TEST_WORKERS=0: one process, one set of services).
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 
 # Both venvs, installed side by side.
 venvs:
@@ -77,7 +77,7 @@ venvs:
 test: venvs lint
 	@$(COMPILE_OWN) tests benchmarks
 	# A missing .venv-llm fails the LLM tests here instead of skipping them.
-	RLT_REQUIRE_LLM=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+	RLT_REQUIRE_LLM=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Style, formatting and the layering contracts in pyproject.toml ([tool.importlinter]).
 lint: install

@@ -24,36 +24,6 @@ RAY_HEAD_CPUS = 4
 REQUIRE_LLM_ENV = "RLT_REQUIRE_LLM"
 SERVICE_FIXTURES = {"stack", "prefect_api"}
 
-# Seconds each group took on one worker (a local make test run). Groups are handed to the
-# workers in this order, longest first (`--no-loadscope-reorder` in the Makefile): the long
-# groups mostly wait (gates' holds, leases, restarts), so they start early beside the ones that
-# compute, and none starts last while the other workers idle. Unlisted groups go last. Only an
-# order: a wrong figure costs time, never a result.
-GROUP_SECONDS = {
-    "test_stack_restart": 314,
-    "test_recovery": 286,
-    "test_approval": 268,
-    "test_shadow_sticky": 213,
-    "test_rollout": 212,
-    "test_llm_finetune": 189,
-    "test_ray_connection": 159,
-    "test_pipeline_deployment": 141,
-    "test_multinode": 136,
-    "llm": 135,
-    "test_register": 129,
-    "test_ray_client": 125,
-    "test_tune_sweep": 108,
-    "test_http_contract": 99,
-    "test_old_layout": 63,
-    "test_data_prep": 60,
-    "test_local_services": 40,
-    "test_user_project": 38,
-    "test_webhooks": 35,
-    "test_ray_runner_worker_caches": 33,
-    "test_ray_runner_retries": 31,
-    "test_blocks": 20,
-}
-
 
 def _group(item) -> str:
     return "llm" if item.get_closest_marker("llm") else item.module.__name__.rpartition(".")[2]
@@ -68,7 +38,6 @@ def pytest_collection_modifyitems(config, items):
         # which has its own services; the vLLM modules share one worker, so that no two vLLM
         # engines load at once.
         item.add_marker(pytest.mark.xdist_group(_group(item)))
-    items.sort(key=lambda item: -GROUP_SECONDS.get(_group(item), 0))  # stable: modules stay whole
 
 
 def pytest_collection_finish(session):

@@ -25,9 +25,7 @@ SCHEDULER_ENV = (("PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS", "2"),)
 # Serve's replicas log each request to their log files only (still under the head's session
 # logs/serve/), not also to stderr, which Ray's log monitor would ship to every driver: under
 # the tests' load that was a line per request through the monitor, the GCS and pytest.
-# And no Prometheus metrics are recorded by the head's processes and workers: nothing here
-# reads them, and every Ray process would keep recording and exporting them.
-QUIET_SERVE = (("RAY_SERVE_LOG_TO_STDERR", "0"), ("RAY_enable_metrics_collection", "0"))
+QUIET_SERVE = (("RAY_SERVE_LOG_TO_STDERR", "0"),)
 
 
 @dataclass(frozen=True)
