@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deployments import local, route_watch, setup
+from deployments import crashes, local, route_watch, setup
 from prefect_ray_lifecycle.workloads.constants import PROJECT_ROOT
 
 SCHEDULER_ENV = (("PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS", "2"),)
@@ -189,7 +189,7 @@ def undeploy() -> None:
     drop_unfinished_runs()
     with get_client(sync_client=True) as client:
         found = client.read_deployments(
-            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=setup.FLOW_NAMES))
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=crashes.FLOW_NAMES))
         )
         for deployment in found:
             client.delete_deployment(deployment.id)
@@ -214,7 +214,7 @@ def drop_unfinished_runs() -> list[str]:
         StateType.PAUSED,
         StateType.CANCELLING,
     ]
-    names = sorted(setup.FLOW_NAMES)
+    names = sorted(crashes.FLOW_NAMES)
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(
