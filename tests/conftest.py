@@ -186,7 +186,11 @@ def _train_checkpoints(stack, root: Path) -> None:
         .training(train_batch_size_per_learner=1000, minibatch_size=128, num_epochs=6, lr=1e-3)
         .debugging(seed=0)
     )
-    with stack.ray_cluster().connect():
+    from prefect_ray_lifecycle.workloads.rl.rllib import one_torch_thread
+
+    # No env runners: the learner trains in this process, on one torch thread (see
+    # one_torch_thread: two threads on a busy machine made it many times slower).
+    with stack.ray_cluster().connect(), one_torch_thread():
         algo = config.build_algo()
         try:
             for _ in range(8):

@@ -22,7 +22,7 @@ import pytest
 from mlflow import MlflowClient
 
 from deployments import approve, local
-from deployments.testing.load import ClosedLoop
+from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.stack import SCHEDULER_ENV, deployed, environ, pointed_at
 from deployments.testing.watch import (
     deployment_runs,
@@ -174,7 +174,7 @@ def test_approval_through_the_prefect_api_survives_the_slots_lease_then_swaps(ap
     prefect, port = approvals["prefect"], approvals["port"]
     first = finished(approvals, roll_out(approvals, 1, approval="none").id)
     assert first.state.is_completed() and live(approvals) == "1"
-    with ClosedLoop(port, f"/{ROUTE}", pause_s=0.02) as traffic:
+    with ClosedLoop(port, f"/{ROUTE}", pause_s=LOAD_PAUSE_S) as traffic:
         run = roll_out(approvals, 2)
         waiting = paused(approvals, run.id)
         since = time.time()
@@ -222,7 +222,7 @@ def test_an_abort_or_a_timeout_rejects_at_approval_with_the_reason_and_name(appr
     from prefect.flow_runs import resume_flow_run
 
     prefect, port = approvals["prefect"], approvals["port"]
-    with ClosedLoop(port, f"/{ROUTE}", pause_s=0.02) as traffic:
+    with ClosedLoop(port, f"/{ROUTE}", pause_s=LOAD_PAUSE_S) as traffic:
         run = roll_out(
             approvals, 3, canary_steps=[0.3, 0.6], approval="after_step", approval_step=0.3
         )
@@ -251,7 +251,7 @@ def test_an_abort_or_a_timeout_rejects_at_approval_with_the_reason_and_name(appr
 
 def test_a_killed_waiting_rollout_leaves_live_only_and_the_reconcile_asks_again(approvals):
     prefect, port = approvals["prefect"], approvals["port"]
-    with ClosedLoop(port, f"/{ROUTE}", pause_s=0.02) as traffic:
+    with ClosedLoop(port, f"/{ROUTE}", pause_s=LOAD_PAUSE_S) as traffic:
         run = roll_out(approvals, 5)
         first_ask = paused(approvals, run.id)
         assert route_status(port, ROUTE)["candidate_share"] > 0

@@ -225,7 +225,7 @@ def test_a_node_lost_during_a_canary_is_caught_by_the_gates_and_no_user_sees_it(
     the requests it loses from live, the gates reject the candidate, live keeps serving."""
     from mlflow import MlflowClient
 
-    from deployments.testing.load import ClosedLoop
+    from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
     from prefect_ray_lifecycle.control import registry, serve_control
     from prefect_ray_lifecycle.flows.rollout import RolloutFailed, serve_rollout
     from prefect_ray_lifecycle.tasks.rollout.config import Gates, Serving
@@ -267,7 +267,7 @@ def test_a_node_lost_during_a_canary_is_caught_by_the_gates_and_no_user_sees_it(
             serve_rollout(version="1", serving=on_head, **common)
             with (
                 multinode.second_node(stack, "w3") as node,
-                ClosedLoop(stack.serve_port, f"/{route}", pause_s=0.02) as traffic,
+                ClosedLoop(stack.serve_port, f"/{route}", pause_s=LOAD_PAUSE_S) as traffic,
             ):
                 running = pool.submit(
                     contextvars.copy_context().run,

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from deployments.testing.load import ClosedLoop
+from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.flows.reconcile import reconcile
@@ -163,7 +163,7 @@ def test_a_route_and_a_version_of_the_old_layout_roll_forward_without_a_failed_a
                 ray_cluster=cluster,
                 mlflow_server=MLflowServer(tracking_uri=stack.mlflow_uri),
             )
-            with ClosedLoop(cluster.serve_port, f"/{ROUTE}", pause_s=0.02) as traffic:
+            with ClosedLoop(cluster.serve_port, f"/{ROUTE}", pause_s=LOAD_PAUSE_S) as traffic:
                 result = serve_rollout(version="2", **common)
             assert result.outcome == "promoted", result
             assert traffic.failed() == [], traffic.failed()[:3]

@@ -20,7 +20,7 @@ import pytest
 from mlflow import MlflowClient
 
 from deployments import local
-from deployments.testing.load import ClosedLoop
+from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.stack import deployed
 from deployments.testing.watch import (
     deployment_runs,
@@ -144,7 +144,7 @@ def moved_champion_survives_killed_rollouts(lifecycle):
     wait_for("v1 goes live", lambda: prefect.read_flow_run(first.id).state.is_completed())
     assert live(client) == "1" and router_status(port)["config"]["live"]["version"] == "1"
 
-    with ClosedLoop(port, f"/{ROUTE}", pause_s=0.02) as traffic:
+    with ClosedLoop(port, f"/{ROUTE}", pause_s=LOAD_PAUSE_S) as traffic:
         # v2 becomes champion; its rollout is killed in the canary.
         moved = time.time()
         client.set_registered_model_alias(MODEL, registry.CHAMPION, "2")

@@ -19,7 +19,7 @@ import requests
 from mlflow import MlflowClient
 from prefect.concurrency.sync import concurrency
 
-from deployments.testing.load import OBSERVATION, ClosedLoop
+from deployments.testing.load import LOAD_PAUSE_S, OBSERVATION, ClosedLoop
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.flows.reconcile import reconcile
@@ -101,7 +101,7 @@ def rollout(serving, version, **kwargs):
 
 
 def load(serving, **kwargs) -> ClosedLoop:
-    return ClosedLoop(serving["port"], f"/{ROUTE}", pause_s=0.02, **kwargs)
+    return ClosedLoop(serving["port"], f"/{ROUTE}", pause_s=LOAD_PAUSE_S, **kwargs)
 
 
 def live_version(serving) -> str | None:

@@ -173,9 +173,11 @@ def windows(gated) -> dict[str, tuple[float, float]]:
 def gated(route):
     """v2, the same policy as v1, rolled out with a shadow stage and two canary steps while
     a few hundred sessions, plain users and a tester (X-Canary: always) send requests."""
-    users = load(route, threads=2, requests=lambda n: (observations(n), {}))
-    sessions = load(route, threads=3, requests=session_requests)
-    tester = load(route, pause_s=0.05, headers={CANARY_HEADER: "always"})
+    # Paced, not flat out: a loop without pauses costs Serve a core (about 13 ms of CPU a
+    # request). Three session threads still give each 8 s step 100+ visits of BURST requests.
+    users = load(route, pause_s=0.05, requests=lambda n: (observations(n), {}))
+    sessions = load(route, threads=3, pause_s=0.03, requests=session_requests)
+    tester = load(route, pause_s=0.1, headers={CANARY_HEADER: "always"})
     started = time.time()
     with users, sessions, tester:
         time.sleep(1)
@@ -303,7 +305,7 @@ def test_a_candidate_that_answers_differently_is_rejected_at_shadow_and_no_user_
 def test_a_candidate_hanging_past_the_request_timeout_costs_shadowed_users_nothing(route, gated):
     """v4 takes 3 s per answer, the router's timeout is 1 s: its copies time out (rejected at
     shadow, on its errors), and users see no 504 and no fallback: nobody waits for a copy."""
-    users = load(route, threads=3, requests=lambda n: (observations(n), {}))
+    users = load(route, threads=2, pause_s=0.05, requests=lambda n: (observations(n), {}))
     with users, pytest.raises(RolloutFailed, match="at shadow: shadow error rate"):
         serve_rollout(
             version="4",
@@ -408,7 +410,7 @@ def test_a_candidate_failing_while_a_person_looks_is_aborted_at_approval(route, 
         config = serve_control.current_router(ROUTE)
         return config.rollout is not None and config.rollout.approval is not None
 
-    users = load(route, threads=2, requests=lambda n: (observations(n), {}))
+    users = load(route, pause_s=0.05, requests=lambda n: (observations(n), {}))
     failing = threading.Thread(
         target=lambda: (
             wait_for("the rollout waits for approval", waiting, 240),

@@ -13,7 +13,7 @@ import pytest
 from mlflow import MlflowClient
 
 from deployments import local, setup
-from deployments.testing.load import ClosedLoop
+from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.stack import deployed
 from deployments.testing.watch import deployment_runs, route_status, started_run, wait_for
 from prefect_ray_lifecycle.blocks import MLflowServer
@@ -189,7 +189,7 @@ def test_a_stack_stopped_mid_rollout_comes_back_unwedged(stack, lifecycle, prefe
         live = registry.resolve_alias(client, MODEL, registry.LIVE)
         return live is not None and live.version == "3" and answers(port) == "3"
 
-    with ClosedLoop(port, f"/{ROUTE}", pause_s=0.05):  # what the canaries judge
+    with ClosedLoop(port, f"/{ROUTE}", pause_s=LOAD_PAUSE_S):  # what the canaries judge
         wait_for("v3 is rolled out after the restart", _quietly(v3_serves), timeout=420)
     # Every reconcile started since the restart ends Completed: none is left waiting.
     since = wait_for(

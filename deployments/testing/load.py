@@ -21,9 +21,14 @@ from prefect_ray_lifecycle.workloads.constants import (
 )
 from prefect_ray_lifecycle.workloads.figures import percentile
 
-__all__ = ["OBSERVATION", "Answer", "ClosedLoop", "OpenLoop", "Request"]
+__all__ = ["LOAD_PAUSE_S", "OBSERVATION", "Answer", "ClosedLoop", "OpenLoop", "Request"]
 
 OBSERVATION = [0.01, -0.02, 0.03, 0.04]  # a CartPole observation
+# The users the tests send while a rollout runs: one request about every 0.1 s. Each request
+# costs about 13 ms of CPU across Serve's proxy, the router and a version's replica (measured
+# on 2 cores): a loop at 0.02 s took a third of a core from everything else in the suite,
+# while the gates only need a few requests a step (canary_min_requests).
+LOAD_PAUSE_S = 0.1
 
 
 @dataclass(frozen=True)
