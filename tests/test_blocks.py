@@ -169,6 +169,15 @@ def test_a_ray_client_connection_whose_server_failed_to_start_is_tried_again_wit
     with pytest.raises(ConnectionAbortedError, match="no space left on device") as raised:
         ray_cluster.retry_client_start(flaky(attempts), address, lambda: None)
     assert f"{attempts} times" in str(raised.value) and len(calls) == attempts
+    # The proxier's other way to lose the server it just started: its process is a zombie.
+    gone = ConnectionAbortedError(
+        "Initialization failure from server:\nTraceback (most recent call last):\n  File "
+        '"ray/util/client/server/proxier.py", line 396, in start_specific_server\n    cmd = '
+        "psutil_proc.cmdline()\npsutil.ZombieProcess: PID still exists but it's a zombie"
+    )
+    calls.clear()
+    assert ray_cluster.retry_client_start(flaky(1, gone), address, lambda: None) == "connected"
+    assert len(calls) == 2
     for connect, where in (
         (flaky(1), "127.0.0.1:6379"),  # not Ray Client
         (flaky(1, ConnectionAbortedError("auth failed")), address),  # another failure

@@ -43,7 +43,7 @@ GATES = dict(
     bake_window_s=2,
     max_error_rate=0.05,
     max_p99_ms=5000,
-    p99_slack_ms=1000,
+    p99_slack_ms=3000,
 )
 SERVING = dict(num_cpus=0.1, health_check_period_s=1, health_check_timeout_s=5, router_num_cpus=0.1)
 

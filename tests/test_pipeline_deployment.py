@@ -52,7 +52,7 @@ FAST_GATES = {
     "bake_s": 3,
     "bake_window_s": 2,
     "max_p99_ms": 5000,
-    "p99_slack_ms": 1000,
+    "p99_slack_ms": 3000,
 }
 SMALL_SERVING = {
     "num_cpus": 0.1,

@@ -35,7 +35,7 @@ GATES = {
     "bake_window_s": 2,
     "max_error_rate": 0.05,
     "max_p99_ms": 5000,
-    "p99_slack_ms": 1000,
+    "p99_slack_ms": 3000,
     "lease_s": 5,
 }
 SERVING = {

@@ -70,6 +70,9 @@ def parse_address(value: str) -> str:
 
 
 CLIENT_SERVER_FAILED = "Starting Ray client server failed"
+# Ray 2.60's proxier, when the server process it just started for this connection is already
+# gone: `psutil.ZombieProcess` from `start_specific_server` (seen on a busy 2-core head).
+CLIENT_SERVER_GONE = "start_specific_server"
 CLIENT_RETRY_PAUSE_S = 1.0  # doubled after each failed start
 CLIENT_ATTEMPTS = 4
 
@@ -77,7 +80,10 @@ CLIENT_ATTEMPTS = 4
 def client_server_failed(error: BaseException) -> bool:
     """Ray Client's head could not start this connection's own server process (seen on a
     busy head); a later attempt gets a fresh one."""
-    return isinstance(error, ConnectionAbortedError) and CLIENT_SERVER_FAILED in str(error)
+    message = str(error)
+    return isinstance(error, ConnectionAbortedError) and (
+        CLIENT_SERVER_FAILED in message or CLIENT_SERVER_GONE in message
+    )
 
 
 def retry_client_start(connect: Callable[[], T], address: str, reset: Callable[[], None]) -> T:
