@@ -152,6 +152,15 @@ def test_a_finetune_gives_each_worker_a_gpu_only_where_every_worker_gets_one(
 
 
 @pytest.mark.gpu
+def test_this_torch_computes_on_the_gpu():
+    """The venv's torch is a CUDA build that reaches the device (`make test CONSTRAINTS=` on a
+    GPU machine: constraints/cpu.txt pins the CPU build)."""
+    import torch
+
+    assert torch.ones(8, device="cuda").sum().item() == 8
+
+
+@pytest.mark.gpu
 def test_a_ray_task_asking_for_a_gpu_gets_one_that_torch_sees(stack):
     from prefect import flow, task
 
