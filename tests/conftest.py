@@ -7,6 +7,7 @@ Only tests that need them start them: a test whose fixtures reach `stack` is mar
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -54,9 +55,23 @@ def pytest_collection_finish(session):
         )
 
 
+@functools.cache
+def _gpu_missing() -> str | None:
+    """Why this process has no GPU for the `gpu` tests, or None when torch sees one."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return f"torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """LLM tests need the vLLM venv: skipped without it, failed without it under make test."""
+    """GPU tests need a GPU: skipped, by name, where torch sees none (before their fixtures
+    start any service). LLM tests need the vLLM venv: skipped without it, failed without it
+    under make test."""
+    if item.get_closest_marker("gpu") is not None and (missing := _gpu_missing()):
+        pytest.skip(f"{item.nodeid} needs a GPU: {missing}")
     if item.get_closest_marker("llm") is None or Path(llm_python()).exists():
         return
     message = f"no LLM venv at {llm_python()} (`make llm-venv` builds it)"

@@ -115,6 +115,48 @@ CONTENT_TYPES = mostly(
 )
 METHODS = mostly(st.just("POST"), st.sampled_from(["GET", "PUT", "DELETE", "PATCH", "OPTIONS"]))
 
+# MLflow registry deliveries (deployments.receiver): near-valid payloads, and anything else.
+_DELIVERY = st.fixed_dictionaries(
+    {
+        "entity": mostly(st.sampled_from(["model_version_alias", "model_version"]), JSON_VALUES),
+        "action": mostly(st.sampled_from(["created", "deleted"]), JSON_VALUES),
+        "timestamp": mostly(st.just("2026-01-01T00:00:00+00:00"), JSON_VALUES),
+        "data": mostly(
+            st.fixed_dictionaries(
+                {"name": mostly(st.text(min_size=1, max_size=40), JSON_VALUES)},
+                optional={
+                    "alias": mostly(st.text(max_size=40), JSON_VALUES),
+                    "version": mostly(st.integers(1, 10**6).map(str), JSON_VALUES),
+                },
+            ),
+            JSON_VALUES,
+        ),
+    }
+)
+DELIVERY_BODIES = mostly(
+    _DELIVERY.map(lambda value: json.dumps(value).encode()),
+    st.binary(max_size=2000)
+    | JSON_VALUES.map(lambda value: json.dumps(value).encode())
+    | NASTY_BODIES,
+)
+# A delivery request's parts: "right" signs with the block's secret, "now" and "fresh" are a
+# valid timestamp and a new delivery id, "missing" leaves the header out.
+RECEIVER_REQUESTS = {
+    "method": mostly(st.just("POST"), st.sampled_from(["GET", "PUT", "DELETE", "PATCH"])),
+    "path": mostly(
+        st.just("/mlflow"), st.sampled_from(["/health", "/"]) | PRINTABLE.map("/x/".__add__)
+    ),
+    "body": DELIVERY_BODIES,
+    "signature": mostly(st.just("right"), st.sampled_from(["wrong", "missing"]) | PRINTABLE),
+    "timestamp": mostly(
+        st.just("now"),
+        st.sampled_from(["missing", "1e9", "99999999999999999999"])
+        | st.integers(-(10**12), 10**12).map(str),
+    ),
+    "delivery_id": mostly(st.just("fresh"), st.sampled_from(["missing", ""]) | PRINTABLE),
+    "content_type": mostly(st.just("application/json"), st.just("missing") | PRINTABLE),
+}
+
 # OpenAI completion bodies: the real fields with plausible, odd and hostile values.
 _TEXT = mostly(st.text(min_size=1, max_size=30), JSON_VALUES)
 _SAMPLING = {

@@ -159,9 +159,14 @@ def test_user_code_reaches_trials_on_the_second_node_and_their_checkpoint_regist
     import mlflow
     import numpy as np
 
+    from prefect_ray_lifecycle.workloads.rl import rllib
+
+    # The champion acts as the trial's best checkpoint does, observation by observation.
     policy = mlflow.pyfunc.load_model(f"models:/{registration.model_name}@champion")
-    actions = policy.predict(np.zeros((3, 4), dtype=np.float32))
-    assert len(actions) == 3 and set(np.asarray(actions).tolist()) <= {0, 1}
+    observations = np.random.default_rng(0).uniform(-2, 2, (32, 4)).astype(np.float32)
+    module = rllib.load_policy(result.checkpoint_path)
+    greedy = [int(rllib.greedy_action(module, observation)) for observation in observations]
+    assert np.asarray(policy.predict(observations)).tolist() == greedy
 
 
 def test_a_node_lost_mid_sweep_has_its_trials_retried_on_the_head(

@@ -123,9 +123,10 @@ def test_a_sweep_over_ray_client_runs_its_trials_on_the_cluster_and_returns_a_ch
 
 @pytest.mark.slow
 def test_a_rollout_over_ray_client_serves_the_version_through_the_gates(stack, checkpoints):
+    import mlflow
+    import numpy as np
     from mlflow import MlflowClient
 
-    from deployments.testing.load import OBSERVATION
     from prefect_ray_lifecycle.blocks import MLflowServer
     from prefect_ray_lifecycle.control import registry, serve_control
     from prefect_ray_lifecycle.flows.rollout import serve_rollout
@@ -163,13 +164,22 @@ def test_a_rollout_over_ray_client_serves_the_version_through_the_gates(stack, c
         first = serve_rollout(version="1", **common)
         second = serve_rollout(version="2", **common)
         assert (first.outcome, second.outcome) == ("first_rollout", "promoted")
+        # What the route serves is what the registered version does, observation by observation.
+        observations = np.random.default_rng(0).uniform(
+            [-2.4, -2, -0.2, -2], [2.4, 2, 0.2, 2], (64, 4)
+        )
+        observations = observations.astype("float32")
+        registered = mlflow.pyfunc.load_model(f"models:/{name}/2")
+        expected = np.asarray(registered.predict(observations)).tolist()
+        assert set(expected) == {0, 1}  # both actions occur, so the comparison can fail
         request = urllib.request.Request(
             f"http://127.0.0.1:{stack.serve_port}/{route}",
-            data=json.dumps({"observation": OBSERVATION}).encode(),
+            data=json.dumps({"observations": observations.tolist()}).encode(),
             headers={"content-type": "application/json"},
         )
         with urllib.request.urlopen(request, timeout=10) as response:
             assert response.headers["X-Model-Version"] == "2"
+            assert json.load(response)["actions"] == expected
         assert registry.resolve_alias(client, name, registry.LIVE).version == "2"
     finally:
         cluster = stack.ray_cluster()

@@ -20,6 +20,7 @@ from prefect_ray_lifecycle.compat import Symbol
 __all__ = [
     "SYMBOLS",
     "actor_class",
+    "built_deployments",
     "dashboard_url",
     "forget_serve_client",
     "internal_kv_del",
@@ -75,6 +76,9 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("ray.train.v2._internal.constants", "ENV_VARS_TO_PROPAGATE"),
     Symbol("ray.train.v2._internal.constants", "DEFAULT_PREEMPTION_DEADLINE_S"),
     Symbol("ray.train.v2._internal.execution.context", "logger"),
+    Symbol("ray._common.utils", "import_attr"),
+    Symbol("ray.serve._private.api", "call_user_app_builder_with_args_if_necessary"),
+    Symbol("ray.serve._private.build_app", "build_app"),
 )
 
 SUBMIT_WRAPPED = "_prl_wraps_submit"  # marks our wrapper on RemoteFunction._remote
@@ -214,6 +218,26 @@ def serve_app_configs() -> dict[str, Any]:
     import ray
 
     return ray.get(serve_client()._controller.get_app_configs.remote())
+
+
+def built_deployments(app_config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each deployment of a declarative app entry ({name, import_path, args, ...}) as Serve's
+    controller builds it (`build_serve_application`: the import path's builder called with the
+    args, then `build_app`), by deployment name, in the schema `serve build` writes
+    (ray_actor_options, replicas or autoscaling, health checks). Needs no Ray: what a replica
+    would be placed with, read without a cluster. Relies on `ray._common.utils.import_attr`,
+    `ray.serve._private.api.call_user_app_builder_with_args_if_necessary` and
+    `ray.serve._private.build_app.build_app`."""
+    from ray.serve.deployment import deployment_to_schema
+
+    builder = _module("ray._common.utils").import_attr(app_config["import_path"])
+    api = _module("ray.serve._private.api")
+    app = api.call_user_app_builder_with_args_if_necessary(builder, app_config.get("args"))
+    built = _module("ray.serve._private.build_app").build_app(app, name=app_config["name"])
+    return {
+        deployment.name: deployment_to_schema(deployment).model_dump(exclude_unset=True)
+        for deployment in built.deployments
+    }
 
 
 def forget_serve_client() -> None:
