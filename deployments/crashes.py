@@ -20,6 +20,8 @@ FLOW_NAMES = (
     "train-and-ship",
     "ray-smoke",
     "ray-fan-out",
+    "llm-finetune",
+    "rollout-approval",  # a paused approval beats too (its process waits, alive)
 )
 
 

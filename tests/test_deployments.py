@@ -9,7 +9,7 @@ import pytest
 import yaml
 from prefect.flows import load_flow_from_entrypoint
 
-from deployments import setup
+from deployments import crashes, setup
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS = yaml.safe_load((PROJECT_ROOT / "prefect.yaml").read_text())["deployments"]
@@ -59,6 +59,8 @@ def test_entrypoint_imports_and_parameters_validate(deployment, monkeypatch):
     for name, schema in flow.parameters.properties.items():
         assert schema.get("description"), name
     assert deployment["work_pool"]["name"]
+    # A deployment run whose process dies silently is marked Crashed (deployments.crashes).
+    assert flow.name in crashes.FLOW_NAMES, flow.name
 
 
 def test_rollouts_queue_and_schedules_are_defined_but_off():
