@@ -1,0 +1,103 @@
+"""The LLM lifecycle's pure pieces, without services: held-out metrics, the evaluation
+protocol as a version records it, lineage tags, registration requests, the sweep's shares of
+the cluster and its choice of trial."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from prefect_ray_lifecycle.tasks.finetune.evaluate import LLMEvaluationSummary
+from prefect_ray_lifecycle.tasks.finetune.register import llm_lineage_tags
+from prefect_ray_lifecycle.workloads.llm import corpus
+from prefect_ray_lifecycle.workloads.llm.evaluate import (
+    LLMEvalProtocol,
+    LLMEvaluationSettings,
+    exact_match,
+    held_out_examples,
+    perplexity,
+)
+
+
+def test_exact_match_and_perplexity():
+    assert exact_match([" 82 83 84", "b c d "], [" 82 83 84", " b c e"]) == 0.5
+    assert exact_match(["x"], ["x"]) == 1.0
+    with pytest.raises(ValueError, match="2 answers for 1 references"):
+        exact_match(["a", "b"], ["a"])
+    assert perplexity(math.log(1024) * 10, 10) == pytest.approx(1024)
+    with pytest.raises(ValueError, match="no tokens"):
+        perplexity(1.0, 0)
+
+
+def test_the_protocol_names_its_prompts_and_round_trips(tmp_path):
+    protocol = LLMEvaluationSettings(examples=20, seed=3).protocol()
+    assert LLMEvalProtocol.from_json(protocol.to_json()) == protocol
+    assert json.loads(protocol.to_json())["kind"] == "llm"
+    prompts = held_out_examples(protocol)
+    assert prompts == held_out_examples(protocol) and len(prompts) == 20
+    trained = {e.prompt for e in corpus.examples(2000, seed=3)}
+    assert not {e.prompt for e in prompts} & trained  # never a training prompt
+    with pytest.raises(ValueError, match=r"evaluation.tasks: must be some of"):
+        LLMEvaluationSettings(tasks=["sort"]).protocol()
+    with pytest.raises(ValueError, match=r"evaluation.held_out: '/nowhere.jsonl' is not a file"):
+        LLMEvaluationSettings(held_out="/nowhere.jsonl").protocol()
+    # A file of held-out rows: the protocol names its content, so an edited file is another.
+    rows = tmp_path / "held-out.jsonl"
+    rows.write_text('{"prompt": "a: count on from 10", "completion": " 11 12 13"}\n')
+    first = LLMEvaluationSettings(held_out=str(rows)).protocol()
+    assert [e.completion for e in held_out_examples(first)] == [" 11 12 13"]
+    rows.write_text('{"prompt": "a: count on from 20", "completion": " 21 22 23"}\n')
+    assert LLMEvaluationSettings(held_out=str(rows)).protocol() != first
+    rows.write_text('{"question": "?"}\n')
+    with pytest.raises(ValueError, match="needs `prompt` and `completion` in every row"):
+        held_out_examples(LLMEvaluationSettings(held_out=str(rows)).protocol())
+
+
+def test_lineage_tags_name_the_runs_the_checkpoint_the_data_and_the_base():
+    evaluation = LLMEvaluationSummary(
+        perplexity=2.5,
+        exact_match=0.96,
+        examples=50,
+        tokens=850,
+        protocol=LLMEvalProtocol(50).to_json(),
+    )
+    tags = llm_lineage_tags(
+        flow_run_id="fr-1",
+        flow_run_url="http://prefect/runs/flow-run/fr-1",
+        task_run_id="tr-1",
+        train_run="/runs/fr-0/finetune",
+        checkpoint="/runs/fr-0/finetune/checkpoint-000160-final",
+        checkpoint_step=160,
+        finetune_flow_run_id="fr-0",
+        dataset_fingerprint="abc123",
+        base="/models/tiny",
+        base_version=None,
+        trial_id=None,
+        commit="deadbeef",
+        evaluation=evaluation,
+    )
+    assert tags["lifecycle.train.checkpoint_step"] == "160"
+    assert tags["lifecycle.train.flow_run_id"] == "fr-0"
+    assert tags["lifecycle.prefect.flow_run_id"] == "fr-1"
+    assert tags["lifecycle.dataset.fingerprint"] == "abc123"
+    assert tags["lifecycle.base"] == "/models/tiny"
+    assert tags["lifecycle.eval.exact_match"] == "0.96"
+    assert json.loads(tags["lifecycle.eval.protocol"])["kind"] == "llm"
+    # Facts not known are left out, not written empty.
+    assert "lifecycle.base.version" not in tags and "lifecycle.tune.trial_id" not in tags
+
+
+def test_a_registration_request_names_a_bad_field():
+    from prefect_ray_lifecycle.flows.llm_register import LLMRegistrationRequest
+
+    good = {"checkpoint": "/c", "train_run": "/r"}
+    with pytest.raises(ValidationError, match=r"route 'Bad Route' must be lowercase"):
+        LLMRegistrationRequest(**good, route="Bad Route")
+    with pytest.raises(ValidationError, match=r"model name 'no spaces' is not a valid"):
+        LLMRegistrationRequest(**good, model_name="no spaces")
+    assert LLMRegistrationRequest(**good).serving_settings() is None
+    settings = LLMRegistrationRequest(**good, llm={"num_cpus": 0.5}).serving_settings()
+    assert settings["llm"]["num_cpus"] == 0.5 and "router_num_cpus" in settings["serving"]
