@@ -101,3 +101,43 @@ def test_a_registration_request_names_a_bad_field():
     assert LLMRegistrationRequest(**good).serving_settings() is None
     settings = LLMRegistrationRequest(**good, llm={"num_cpus": 0.5}).serving_settings()
     assert settings["llm"]["num_cpus"] == 0.5 and "router_num_cpus" in settings["serving"]
+
+
+def test_the_sweep_runs_as_many_trials_at_once_as_their_workers_fit():
+    from prefect_ray_lifecycle.workloads.llm.train.sweep import sweep_concurrency
+
+    # 2 CPUs: two trials of one worker of 1 CPU; one of two workers; none of 3 CPUs.
+    assert sweep_concurrency(2, workers=1, cpus_per_worker=1, trials=2, requested=None) == (2, None)
+    assert sweep_concurrency(2, 2, 1, trials=4, requested=None) == (1, None)
+    assert sweep_concurrency(2, 1, 0.75, trials=4, requested=None) == (2, None)
+    assert sweep_concurrency(4, 1, 1, trials=4, requested=3) == (3, None)
+    assert sweep_concurrency(4, 1, 1, trials=1, requested=None) == (1, None)
+    count, problem = sweep_concurrency(2, 3, 1, trials=2, requested=None)
+    assert count == 0 and "resources.workers 3 x resources.cpus_per_worker 1" in problem
+
+
+def test_the_best_checkpoint_of_all_trials_wins():
+    from prefect_ray_lifecycle.workloads.llm.train.sweep import TrialCheckpoint, best_checkpoint
+
+    kept = [
+        TrialCheckpoint("a", 1.2, "/a/40", 40),
+        TrialCheckpoint("b", 0.9, "/b/60", 60),
+        TrialCheckpoint("b", None, "/b/20", 20),  # no eval loss: not ranked
+        TrialCheckpoint("c", 0.5, None, 80),  # evicted: not there
+    ]
+    assert best_checkpoint(kept).path == "/b/60"
+    assert best_checkpoint([]) is None
+
+
+def test_sweep_settings_name_what_they_cannot_search():
+    from prefect_ray_lifecycle.tasks.finetune.config import LLMSweepSettings
+
+    with pytest.raises(ValidationError, match=r"searches learning_rate, warmup_steps only"):
+        LLMSweepSettings(search_space={"lr": {"choice": [1e-3]}})
+    with pytest.raises(ValidationError, match=r"loguniform needs low > 0"):
+        LLMSweepSettings(search_space={"learning_rate": {"loguniform": [0, 1]}})
+    sweep = LLMSweepSettings(search_space={"warmup_steps": {"choice": [5, 40]}})
+    assert "may pick 40, not below training.total_steps 40" in sweep.warmup_problem(40)
+    assert sweep.warmup_problem(41) is None
+    floats = LLMSweepSettings(search_space={"warmup_steps": {"uniform": [1, 5]}})
+    assert "steps are whole" in floats.warmup_problem(100)

@@ -97,16 +97,9 @@ class FineTuneResult(BaseModel):
     )
 
 
-@flow(name="llm-finetune", log_prints=True)
-def llm_finetune(params: FineTuneParams, ray_cluster: RayCluster | None = None) -> FineTuneResult:
-    """Fine-tune a causal LM on Ray Train (see FineTuneParams); return its best checkpoint.
-
-    Args:
-        params: The corpus, base model, training, resources, failure budgets and storage.
-        ray_cluster: Where to run; an embedded local Ray when empty.
-    """
-    cluster = ray_cluster or RayCluster()
-    run_id = str(flow_run.id) if flow_run.id else None
+def prepare(params: FineTuneParams, cluster: RayCluster, run_id: str | None):
+    """The plan (every check that needs no Ray), the evaluation protocol and the prepared
+    corpus: what a fine-tune and a sweep of it start with."""
     data = params.data
     try:
         protocol = params.evaluation.protocol() if params.evaluation else None
@@ -129,24 +122,47 @@ def llm_finetune(params: FineTuneParams, ray_cluster: RayCluster | None = None) 
     )
     if problem := split_problem(dataset.rows_train, dataset.rows_eval, dataset.rows_quarantined):
         raise FineTuneInputError(problem)
+    return plan, protocol, dataset
+
+
+def before_and_after(plan, protocol, checkpoint: str):
+    """The base and `checkpoint` scored on the same held-out prompts, shown on the flow run:
+    (base, fine-tuned), or (None, None) without a protocol."""
+    if protocol is None:
+        return None, None
+    before = evaluate_llm(plan.spec.base, protocol)
+    after = evaluate_llm(checkpoint, protocol)
+    publish_evaluation(
+        {f"base ({plan.base_label})": before, "fine-tuned (best checkpoint)": after},
+        EVALUATION_KEY,
+        "Held-out evaluation before and after the fine-tune",
+    )
+    print(
+        f"held-out perplexity {before.perplexity:.2f} -> {after.perplexity:.2f}, exact "
+        f"match {before.exact_match:.2f} -> {after.exact_match:.2f} ({after.examples} prompts)"
+    )
+    return before, after
+
+
+@flow(name="llm-finetune", log_prints=True)
+def llm_finetune(params: FineTuneParams, ray_cluster: RayCluster | None = None) -> FineTuneResult:
+    """Fine-tune a causal LM on Ray Train (see FineTuneParams); return its best checkpoint,
+    scored with the base on the same held-out prompts.
+
+    Args:
+        params: The corpus, base model, training, resources, failure budgets, storage and
+            held-out evaluation.
+        ray_cluster: Where to run; an embedded local Ray when empty.
+    """
+    cluster = ray_cluster or RayCluster()
+    run_id = str(flow_run.id) if flow_run.id else None
+    plan, protocol, dataset = prepare(params, cluster, run_id)
     outcome = run_finetune(plan, dataset.train_path, dataset.eval_path, cluster)
     print(
         f"eval loss {outcome.base_eval_loss} (base) -> {outcome.best_eval_loss}; best "
         f"checkpoint {outcome.best_checkpoint}; {len(outcome.resumes)} resumes"
     )
-    before = after = None
-    if protocol is not None:
-        before = evaluate_llm(plan.spec.base, protocol)
-        after = evaluate_llm(outcome.best_checkpoint_local, protocol)
-        publish_evaluation(
-            {f"base ({plan.base_label})": before, "fine-tuned (best checkpoint)": after},
-            EVALUATION_KEY,
-            "Held-out evaluation before and after the fine-tune",
-        )
-        print(
-            f"held-out perplexity {before.perplexity:.2f} -> {after.perplexity:.2f}, exact "
-            f"match {before.exact_match:.2f} -> {after.exact_match:.2f} ({after.examples} prompts)"
-        )
+    before, after = before_and_after(plan, protocol, outcome.best_checkpoint_local)
     asset = record_run(
         outcome,
         dataset.asset_key,
