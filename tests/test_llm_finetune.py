@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from chart_checks import png_size
-from prefect.client.schemas.filters import FlowRunFilter
+from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
 from prefect.states import Crashed
 from pydantic import ValidationError
 
@@ -88,6 +88,11 @@ DRAIN_DEADLINE_S = 10
 # random weights: ln 1024) -> 0.975-0.992 after 160 steps, a drop of 5.96-5.98; the floor is
 # the noise words, drawn at random. Asserted with room for another machine's arithmetic.
 EVAL_LOSS_MARGIN = 5.5
+# The held-out evaluation of the same run (50 generated prompts never trained on, greedy):
+# see test_the_fine_tune_raises_exact_match_and_lowers_held_out_perplexity.
+BASE_EXACT_MATCH_AT_MOST = 0.05
+EXACT_MATCH_AT_LEAST = 0.8
+PERPLEXITY_RATIO_AT_MOST = 0.7  # the issue's goal: at least 30 % lower
 
 
 # --- pure pieces ---------------------------------------------------------------------------
@@ -514,7 +519,12 @@ def disturbed(stack, prefect_client, tiny_base, source, tmp_path_factory):
     flow_run = prefect_client.create_flow_run(llm_finetune, parameters={"params": parameters})
     history = work / "runs" / str(flow_run.id) / "finetune" / "history.jsonl"
     states: dict[int, object] = {}
-    seen: dict = {"flow_run_id": str(flow_run.id), "work": work, "states": states}
+    seen: dict = {
+        "flow_run_id": str(flow_run.id),
+        "work": work,
+        "states": states,
+        "parameters": parameters,
+    }
     script = work / "run_existing.py"
     with contextlib.ExitStack() as cleanup:
         node = cleanup.enter_context(multinode.second_node(stack, "ft"))
@@ -718,3 +728,109 @@ def test_the_loss_chart_is_on_the_flow_run_and_beside_the_checkpoints(disturbed,
     gids = {line.get_gid() for line in figure.axes[0].get_lines()}
     assert {"checkpoint:periodic", "checkpoint:jit", "checkpoint:final", "preemption:0"} <= gids
     assert {"resume:0", "resume:1", "resume:2", "base", "eval"} <= gids
+
+
+# --- evaluate, register, promote: the same run's best checkpoint ----------------------------
+
+
+def test_the_fine_tune_raises_exact_match_and_lowers_held_out_perplexity(disturbed):
+    """The base (random weights) and the best checkpoint scored on the same 50 held-out
+    prompts, greedy, one prompt at a time (workloads.llm.evaluate)."""
+    result = disturbed["result"]
+    before, after = result["base_evaluation"], result["evaluation"]
+    print("held-out evaluation:", json.dumps({"before": before, "after": after}))
+    assert before["protocol"] == after["protocol"] and after["examples"] == 50
+    assert before["exact_match"] <= BASE_EXACT_MATCH_AT_MOST
+    assert after["exact_match"] >= EXACT_MATCH_AT_LEAST
+    assert after["perplexity"] <= PERPLEXITY_RATIO_AT_MOST * before["perplexity"]
+
+
+def kept_checkpoints(outcome: dict) -> list[dict]:
+    return sorted((c for c in outcome["checkpoints"] if c["kept"]), key=lambda c: c["eval_loss"])
+
+
+def test_the_best_checkpoint_is_registered_with_its_lineage_and_a_worse_one_is_not_promoted(
+    stack, disturbed, prefect_client, tmp_path
+):
+    from mlflow import MlflowClient
+
+    from prefect_ray_lifecycle.blocks import MLflowServer
+    from prefect_ray_lifecycle.control import registry
+    from prefect_ray_lifecycle.flows.llm_finetune import FineTuneResult
+    from prefect_ray_lifecycle.flows.llm_pipeline import registration_request
+    from prefect_ray_lifecycle.flows.llm_register import (
+        LLMRegistrationRequest,
+        register_llm_and_promote,
+    )
+    from prefect_ray_lifecycle.tasks.rollout.config import LLMServing
+
+    client, server = MlflowClient(stack.mlflow_uri), MLflowServer(tracking_uri=stack.mlflow_uri)
+    params = FineTuneParams.model_validate(disturbed["parameters"])
+    trained = FineTuneResult.model_validate(disturbed["result"])
+    name = f"finetuned-{os.getpid()}"
+    request = registration_request(params, trained, name, "llm-ft", LLMServing(num_cpus=0.5), None)
+    first = register_llm_and_promote(request, mlflow_server=server)
+    assert first.promoted and first.reason.startswith("no champion yet"), first.reason
+    assert first.evaluation == trained.evaluation  # the fine-tune's own, not measured again
+    version = client.get_model_version(name, first.version)
+    tags = version.tags
+    best = Path(trained.outcome.best_checkpoint_local)
+    assert tags["lifecycle.train.checkpoint_step"] == str(read_state(best).step)
+    assert tags["lifecycle.train.flow_run_id"] == disturbed["flow_run_id"]
+    assert tags["lifecycle.train.run"] == trained.outcome.experiment_path
+    assert tags["lifecycle.dataset.fingerprint"] == trained.dataset_fingerprint
+    assert tags["lifecycle.base"] == trained.base_label
+    assert float(tags["lifecycle.eval.exact_match"]) == pytest.approx(
+        trained.evaluation.exact_match, abs=1e-5
+    )
+    # Where the LLM rollout loads it from: the checkpoint's Hugging Face files, not its
+    # optimizer state; the loss chart beside it on the run.
+    served = {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(version.run_id, "hf")}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= served
+    assert not served & {"trainer_state", "optimizer.pt"}
+    assert [a.path for a in client.list_artifacts(version.run_id, "charts")] == ["charts/loss.png"]
+    # Kept with the model before the promotion: what its champion move needs in reconcile.
+    place = registry.serving_tags(client, name)
+    assert (place["route"], place["kind"]) == ("llm-ft", "llm")
+    assert place["settings"]["llm"]["num_cpus"] == 0.5
+
+    # A worse fine-tune: the run's kept checkpoint with the highest eval loss.
+    worse_checkpoint = kept_checkpoints(disturbed["result"]["outcome"])[-1]["path"]
+    assert worse_checkpoint != str(best)
+    state = register_llm_and_promote(
+        LLMRegistrationRequest(
+            model_name=name,
+            checkpoint=worse_checkpoint,
+            train_run=trained.outcome.experiment_path,
+            evaluation=params.evaluation,
+        ),
+        mlflow_server=server,
+        return_state=True,
+    )
+    worse = state.result()
+    assert not worse.promoted and "not better by a margin" in worse.reason, worse.reason
+    # The reason on the flow run too, where people look.
+    (artifact,) = prefect_client.read_artifacts(
+        artifact_filter=ArtifactFilter(key={"any_": ["registration"]}),
+        flow_run_filter=FlowRunFilter(id={"any_": [state.state_details.flow_run_id]}),
+    )
+    assert "challenger, not promoted" in artifact.data and worse.reason in artifact.data
+    assert registry.resolve_alias(client, name, registry.CHAMPION).version == first.version
+    assert registry.resolve_alias(client, name, registry.CHALLENGER).version == worse.version
+    verdict = client.get_model_version(name, worse.version).tags
+    assert verdict["lifecycle.promotion.verdict"] == "rejected"
+    assert verdict["lifecycle.promotion.champion_version"] == first.version
+    assert verdict["lifecycle.promotion.reason"] == worse.reason
+
+    # Bad input writes nothing and moves no alias.
+    before = len(client.search_model_versions(f"name = '{name}'"))
+    with pytest.raises(registry.RegistrationError, match=r"checkpoint: .* is not a causal lang"):
+        register_llm_and_promote(
+            LLMRegistrationRequest(
+                model_name=name, checkpoint=not_a_causal_lm(tmp_path), train_run="/nowhere"
+            ),
+            mlflow_server=server,
+        )
+    assert len(client.search_model_versions(f"name = '{name}'")) == before
+    assert registry.resolve_alias(client, name, registry.CHALLENGER).version == worse.version
+    client.delete_registered_model(name)
