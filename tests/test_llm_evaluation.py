@@ -106,14 +106,15 @@ def test_a_registration_request_names_a_bad_field():
 def test_the_sweep_runs_as_many_trials_at_once_as_their_workers_fit():
     from prefect_ray_lifecycle.workloads.llm.train.sweep import sweep_concurrency
 
-    # 2 CPUs: two trials of one worker of 1 CPU; one of two workers; none of 3 CPUs.
-    assert sweep_concurrency(2, workers=1, cpus_per_worker=1, trials=2, requested=None) == (2, None)
-    assert sweep_concurrency(2, 2, 1, trials=4, requested=None) == (1, None)
-    assert sweep_concurrency(2, 1, 0.75, trials=4, requested=None) == (2, None)
-    assert sweep_concurrency(4, 1, 1, trials=4, requested=3) == (3, None)
-    assert sweep_concurrency(4, 1, 1, trials=1, requested=None) == (1, None)
-    count, problem = sweep_concurrency(2, 3, 1, trials=2, requested=None)
-    assert count == 0 and "resources.workers 3 x resources.cpus_per_worker 1" in problem
+    # 2 CPUs: two trials of a 0.25-CPU actor and one 0.75-CPU worker; one of a 1-CPU
+    # worker (1.25 each); one of two workers; none of three.
+    assert sweep_concurrency(2, 1, 0.75, trials=2, requested=None, trial_cpus=0.25) == (2, None)
+    assert sweep_concurrency(2, 1, 1, trials=2, requested=None, trial_cpus=0.25) == (1, None)
+    assert sweep_concurrency(2, 2, 0.75, trials=4, requested=None, trial_cpus=0.25) == (1, None)
+    assert sweep_concurrency(4, 1, 0.75, trials=4, requested=3, trial_cpus=0.25) == (3, None)
+    assert sweep_concurrency(4, 1, 0.75, trials=1, requested=None, trial_cpus=0.25) == (1, None)
+    count, problem = sweep_concurrency(2, 3, 0.75, trials=2, requested=None, trial_cpus=0.25)
+    assert count == 0 and "sweep.trial_cpus 0.25 + resources.workers 3 x" in problem
 
 
 def test_the_best_checkpoint_of_all_trials_wins():

@@ -70,7 +70,8 @@ def shipped(stack, tmp_path_factory):
             "eval_every_steps": 20,
             "checkpoint_every_steps": 20,
         },
-        resources={"workers": 1, "cpus_per_worker": 1},
+        # Each trial: a 0.25-CPU actor and one 0.75-CPU Train worker; two trials fit 2 CPUs.
+        resources={"workers": 1, "cpus_per_worker": 0.75},
         storage_root=str(work / "runs"),
     )
     names = {"llm": f"chat-{uuid.uuid4().hex[:6]}", "policy": f"policy-{uuid.uuid4().hex[:6]}"}
@@ -102,40 +103,26 @@ def shipped(stack, tmp_path_factory):
 
 def test_a_sweep_of_two_trials_on_two_cpus_registers_its_best_trial(stack, shipped):
     result = shipped["result"]
-    client = MlflowClient(stack.mlflow_uri)
-    version = client.get_model_version(result.model_name, result.version)
-    trials = {t["trial_id"]: t for t in version_trials(client, version)}
-    print("sweep:", json.dumps(list(trials.values()), default=str))
-    assert len(trials) == 2 and all(t["status"] == "TERMINATED" for t in trials.values())
-    assert {t["config"]["learning_rate"] for t in trials.values()} == {5e-3, 1e-5}
-    # The best trial's checkpoint is what was registered, with its trial and step.
+    sweep = result.sweep
+    print("sweep:", sweep.model_dump_json(include={"trials", "max_concurrent_trials"}))
+    # Both trials at once, each a 0.25-CPU actor and one 0.75-CPU worker: 2 CPUs together.
+    assert sweep.max_concurrent_trials == 2
+    assert len(sweep.trials) == 2 and all(t.status == "TERMINATED" for t in sweep.trials)
+    assert {t.config["learning_rate"] for t in sweep.trials} == {5e-3, 1e-5}
+    # The best trial's best checkpoint is what was registered, with its trial and step.
     best = min(
-        (t for t in trials.values() if t["best_eval_loss"] is not None),
-        key=lambda t: t["best_eval_loss"],
+        (t for t in sweep.trials if t.best_eval_loss is not None), key=lambda t: t.best_eval_loss
     )
-    assert result.trial_id == best["trial_id"] and best["config"]["learning_rate"] == 5e-3
-    assert version.tags["lifecycle.tune.trial_id"] == best["trial_id"]
-    assert version.tags["lifecycle.train.checkpoint_step"].isdigit()
+    assert result.trial_id == best.trial_id == sweep.best.trial_id
+    assert best.config["learning_rate"] == 5e-3
+    version = MlflowClient(stack.mlflow_uri).get_model_version(result.model_name, result.version)
+    assert version.tags["lifecycle.tune.trial_id"] == best.trial_id
+    assert version.tags["lifecycle.train.checkpoint_step"] == str(sweep.best_step)
     assert result.promoted and result.promotion_reason.startswith("no champion yet")
     assert not result.shipped and result.reason == "ship is false: no rollout"
     # The fine-tune moved the held-out figures (both measured the same way).
     before, after = result.base_evaluation, result.evaluation
     assert after.perplexity < before.perplexity and after.exact_match >= before.exact_match
-
-
-def version_trials(client: MlflowClient, version) -> list[dict]:
-    """The sweep's trial table, as the flow run showed it (read back from Prefect)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
-
-    with get_client(sync_client=True) as prefect:
-        (table,) = prefect.read_artifacts(
-            artifact_filter=ArtifactFilter(key={"any_": ["llm-sweep-trials"]}),
-            flow_run_filter=FlowRunFilter(
-                id={"any_": [version.tags["lifecycle.train.flow_run_id"]]}
-            ),
-        )
-    return json.loads(table.data) if isinstance(table.data, str) else table.data
 
 
 def test_a_policy_and_an_llm_champion_each_reach_their_own_route(stack, shipped, checkpoints):

@@ -32,7 +32,7 @@ from prefect_ray_lifecycle.flows.pipeline import champion_version, rollout_decis
 from prefect_ray_lifecycle.flows.register import DEFAULT_MLFLOW_EXPERIMENT
 from prefect_ray_lifecycle.flows.rollout import RolloutResult, serve_rollout
 from prefect_ray_lifecycle.tasks import lineage
-from prefect_ray_lifecycle.tasks.finetune.config import LLMSweepSettings
+from prefect_ray_lifecycle.tasks.finetune.config import LLMSweepOutcome, LLMSweepSettings
 from prefect_ray_lifecycle.tasks.finetune.evaluate import LLMEvaluationSummary
 from prefect_ray_lifecycle.tasks.params import Text
 from prefect_ray_lifecycle.tasks.rollout.claim import holding_route
@@ -58,6 +58,7 @@ class LLMPipelineResult(BaseModel):
     train_flow_run_id: str | None = None
     dataset_fingerprint: str | None = None
     trial_id: str | None = Field(None, description="The sweep's winning trial, if swept.")
+    sweep: LLMSweepOutcome | None = Field(None, description="The sweep's trials, if swept.")
 
 
 def registration_request(
@@ -218,6 +219,7 @@ def llm_train_and_ship(
         train_flow_run_id=trained.flow_run_id,
         dataset_fingerprint=trained.dataset_fingerprint,
         trial_id=request.trial_id,
+        sweep=trained.outcome if isinstance(trained, LLMSweepResult) else None,
     )
     _summarise(result)
     return result

@@ -101,6 +101,14 @@ class LLMSweepSettings(BaseModel):
         description="Trials at once; empty (and never more than): as many as the cluster's "
         "CPUs hold their Train workers (resources.workers x resources.cpus_per_worker each).",
     )
+    trial_cpus: float = Field(
+        default=0.25,
+        gt=0,
+        description="CPUs each trial's own actor reserves: it only drives its TorchTrainer "
+        "(whose workers reserve resources.workers x resources.cpus_per_worker), but Tune "
+        "refuses a trial that asks for nothing. On 2 CPUs, two trials of one worker fit with "
+        "cpus_per_worker 0.75.",
+    )
     grace_period_steps: int = Field(
         default=20, ge=1, description="ASHA: steps every trial trains before it may be stopped."
     )

@@ -64,8 +64,8 @@ def _tuner(plan: FineTunePlan, sweep: LLMSweepSettings, datasets: dict, concurre
         experiment=path,
     )
     return path, tune.Tuner(
-        # The trial only drives its TorchTrainer: its workers hold the trial's CPUs.
-        tune.with_resources(trainable, {"CPU": 0}),
+        # The trial only drives its TorchTrainer: its workers hold most of the trial's CPUs.
+        tune.with_resources(trainable, {"cpu": sweep.trial_cpus}),
         param_space=parse_search_space(sweep.search_space),
         tune_config=tune.TuneConfig(
             metric=CHECKPOINT_METRIC,
@@ -159,6 +159,7 @@ def run_llm_sweep(
             resources.cpus_per_worker,
             trials,
             sweep.max_concurrent_trials,
+            sweep.trial_cpus,
         )
         if problem:
             raise FineTuneInputError(f"preflight: {problem}")

@@ -5,9 +5,11 @@ TorchTrainer handed to `Tuner(trainer)` is not supported; the trial function lau
 Ray Train's TuneReportCallback carries its workers' reports to Tune, where ASHA compares the
 trials' held-out eval losses at its rungs and stops the weak ones.
 
-What a trial holds: its function runs in a Tune trial actor that reserves no CPU (it only
-drives); the Train controller takes none either (Ray Train V2 schedules it with num_cpus=0 on
-the driver's node); the Train workers take `workers x cpus_per_worker`. The prepared splits
+What a trial holds: its function runs in a Tune trial actor that only drives, with a small
+CPU share (`trial_cpus`: Tune refuses a trial that asks for nothing, "Cannot initialize a
+ResourceRequest with an empty head and zero worker bundles"); the Train controller takes none
+(Ray Train V2 schedules it with num_cpus=0 on the driver's node); the Train workers take
+`workers x cpus_per_worker`. The prepared splits
 are tokenized once by the sweep's driver into the object store and shared by every trial,
 so no tokenize task competes with a trial's workers. `sweep_concurrency` sets how many trials
 run at once so that their workers fit the cluster together.
@@ -44,17 +46,22 @@ TRAIN_RUNS = "train"
 
 
 def sweep_concurrency(
-    cluster_cpus: float, workers: int, cpus_per_worker: float, trials: int, requested: int | None
+    cluster_cpus: float,
+    workers: int,
+    cpus_per_worker: float,
+    trials: int,
+    requested: int | None,
+    trial_cpus: float = 0.0,
 ) -> tuple[int, str | None]:
-    """How many trials run at once so that their Train workers fit the cluster's CPUs
-    together (trial actors and Train controllers take none); and why none can, or None."""
-    per_trial = workers * cpus_per_worker
+    """How many trials run at once so that each trial's actor and Train workers fit the
+    cluster's CPUs together (Train controllers take none); and why none can, or None."""
+    per_trial = trial_cpus + workers * cpus_per_worker
     fit = math.floor(cluster_cpus / per_trial + 1e-9)
     if fit < 1:
         return 0, (
-            f"resources: one trial's workers reserve {per_trial:g} CPUs (resources.workers "
-            f"{workers} x resources.cpus_per_worker {cpus_per_worker:g}), but the Ray cluster "
-            f"has {cluster_cpus:g}"
+            f"resources: one trial reserves {per_trial:g} CPUs (sweep.trial_cpus "
+            f"{trial_cpus:g} + resources.workers {workers} x resources.cpus_per_worker "
+            f"{cpus_per_worker:g}), but the Ray cluster has {cluster_cpus:g}"
         )
     return max(1, min(fit, trials, requested or trials)), None
 
