@@ -7,7 +7,6 @@ name), rolls each out on its own route: the LLM through vLLM on /llm-ship, the p
 
 from __future__ import annotations
 
-import json
 import uuid
 from pathlib import Path
 
