@@ -142,3 +142,13 @@ def test_sweep_settings_name_what_they_cannot_search():
     assert sweep.warmup_problem(41) is None
     floats = LLMSweepSettings(search_space={"warmup_steps": {"uniform": [1, 5]}})
     assert "steps are whole" in floats.warmup_problem(100)
+
+
+def test_every_parameter_of_the_llm_flows_is_described_for_the_ui():
+    from prefect_ray_lifecycle.flows.llm_pipeline import llm_train_and_ship
+    from prefect_ray_lifecycle.flows.llm_register import register_llm_and_promote
+    from prefect_ray_lifecycle.flows.llm_sweep import llm_sweep
+    from tests.schema_checks import undescribed
+
+    for flow in (llm_sweep, register_llm_and_promote, llm_train_and_ship):
+        assert undescribed(flow) == [], flow.name
