@@ -140,6 +140,8 @@ def test_sweep_settings_name_what_they_cannot_search():
     sweep = LLMSweepSettings(search_space={"warmup_steps": {"choice": [5, 40]}})
     assert "may pick 40, not below training.total_steps 40" in sweep.warmup_problem(40)
     assert sweep.warmup_problem(41) is None
+    grid = {"learning_rate": {"grid": [1e-3, 2e-3, 3e-3]}, "warmup_steps": {"grid": [1, 2]}}
+    assert LLMSweepSettings(search_space=grid, num_samples=2).trial_count() == 12
     floats = LLMSweepSettings(search_space={"warmup_steps": {"uniform": [1, 5]}})
     assert "steps are whole" in floats.warmup_problem(100)
 

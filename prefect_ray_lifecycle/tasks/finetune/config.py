@@ -132,6 +132,14 @@ class LLMSweepSettings(BaseModel):
         parse_search_space(value, allowed=set(SEARCHED))
         return value
 
+    def trial_count(self) -> int:
+        """Trials the sweep runs: num_samples times every grid's length."""
+        count = self.num_samples
+        for entry in self.search_space.values():
+            if "grid" in entry:
+                count *= len(entry["grid"])
+        return count
+
     def warmup_problem(self, total_steps: int) -> str | None:
         """Why a warm-up the sweep may pick is no whole number of steps below
         training.total_steps, or None."""

@@ -152,7 +152,7 @@ def run_llm_sweep(
         if flow_run_id:
             link_flow_run(flow_run_id, cluster, ray_context)
         resources = plan.resources
-        trials = sweep.num_samples
+        trials = sweep.trial_count()
         concurrency, problem = sweep_concurrency(
             ray.cluster_resources().get("CPU", 0),
             resources.workers,
