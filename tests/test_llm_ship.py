@@ -30,12 +30,12 @@ from prefect_ray_lifecycle.workloads.llm.tiny import build_tiny_llm
 pytestmark = [pytest.mark.llm, pytest.mark.slow]
 
 LLM_ROUTE, POLICY_ROUTE = "llm-ship", "policy"
-TOTAL_STEPS = 80
+TOTAL_STEPS = 40
 SWEEP = LLMSweepSettings(
     # One rate the tiny Llama learns from, one it barely moves at: ASHA may stop the second.
     search_space={"learning_rate": {"grid": [5e-3, 1e-5]}, "warmup_steps": {"choice": [4, 8]}},
     num_samples=1,
-    grace_period_steps=20,
+    grace_period_steps=10,
 )
 LLM = LLMServing(
     engine={"max_model_len": 128, "kv_cache_memory_bytes": 64 << 20, "dtype": "float32"},
@@ -66,7 +66,7 @@ def shipped(stack, tmp_path_factory):
         training={
             "total_steps": TOTAL_STEPS,
             "warmup_steps": 4,
-            "eval_every_steps": 20,
+            "eval_every_steps": 10,
             "checkpoint_every_steps": 20,
         },
         # Each trial: a 0.25-CPU actor and one 0.75-CPU Train worker; two trials fit 2 CPUs.
@@ -143,10 +143,18 @@ def test_a_policy_and_an_llm_champion_each_reach_their_own_route(stack, shipped,
     # What the champion-moved trigger starts, in the order the moves came: a reconcile run
     # per model, given only the model's name (its deployment adds the blocks and gates).
     runs = {
-        kind: reconcile(
-            model_name=names[kind], gates=GATES, ray_cluster=cluster, mlflow_server=server
-        )
-        for kind in ("llm", "policy")
+        "llm": reconcile(
+            model_name=names["llm"], gates=GATES, ray_cluster=cluster, mlflow_server=server
+        ),
+        # The policy has no recorded serving settings: the deployment's (faster health
+        # checks) instead of the defaults.
+        "policy": reconcile(
+            model_name=names["policy"],
+            gates=GATES,
+            serving=SERVING,
+            ray_cluster=cluster,
+            mlflow_server=server,
+        ),
     }
     for kind, version in (("llm", llm_version), ("policy", policy.version)):
         assert runs[kind].action == "restored" and runs[kind].live == version, runs[kind]
