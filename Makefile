@@ -22,7 +22,7 @@ UV_FLAGS = $(shell $(PYTHON) deployments/pip_to_uv.py) --index-strategy unsafe-b
 UV_INSTALL = $(UV) pip install -q --compile-bytecode $(UV_FLAGS) $(UV_C)
 CPU_TORCH = import torch; assert torch.version.cuda is None, 'torch ' + torch.__version__ + ' is a CUDA build'
 
-.PHONY: install llm-venv venvs demo test lint up down status clean
+.PHONY: install llm-venv venvs demo demo-llm test lint up down status clean
 
 install: $(STAMP)
 
@@ -65,6 +65,12 @@ COMPILE_OWN = $(BIN)/python -m compileall -q -j 0 prefect_ray_lifecycle deployme
 demo: install
 	@$(COMPILE_OWN)
 	$(BIN)/python -m deployments.demo
+
+# The LLM lifecycle on the same local services: fine-tune, evaluate, register, promote, and a
+# gated LLM rollout on /llm (vLLM from .venv-llm).
+demo-llm: venvs
+	@$(COMPILE_OWN)
+	$(BIN)/python -m deployments.demo_llm
 
 # Test modules run whole on TEST_WORKERS pytest-xdist workers, each with its own services
 # (TEST_WORKERS=0: one process, one set of services).

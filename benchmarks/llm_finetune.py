@@ -17,6 +17,15 @@ stopped once it passed). Medians over the rounds; overheads are each disturbed f
 the undisturbed one. Both sides set the Train controller's poll interval the flow uses (Ray
 Train's default 2 s throttles a loop that reports every step to one step per 2 s).
 
+Each flow run also scores the base and its best checkpoint on the same 50 held-out prompts
+(`ppl_before`, `ppl_after`, `exact_match_before`, `exact_match_after`: medians over the
+undisturbed runs). Then the last undisturbed run's best checkpoint is registered as an LLM
+version (route, kind and serving settings kept with the model) on the deployments a user runs
+(`deployments.setup`, `prefect deploy --all`, a process worker), `champion` is moved to it
+with MlflowClient, and `alias_to_live_s` is the time until the route answers with its
+X-Model-Version (webhook -> receiver -> Prefect event -> trigger -> reconcile -> a first LLM
+rollout through health and smoke, vLLM in .venv-llm). `--no-ship` leaves that out.
+
 Last line: one JSON object.
 """
 
@@ -26,6 +35,7 @@ import argparse
 import contextlib
 import contextvars
 import json
+import math
 import os
 import signal
 import statistics
@@ -38,6 +48,67 @@ from typing import Any
 
 ARTICLE_PREEMPT_SHARE = 0.007  # the article's Spot reclaim: 0.7 % of the run's time lost
 SIDES = ("raw", "flow", "kill", "preempt")
+SHIP_ROUTE = "llm-bench"
+SHIP_GATES = {
+    "health_timeout_s": 300,
+    "stability_window_s": 2,
+    "smoke_max_latency_ms": 30000,
+    "max_ttft_ms": 30000,
+    "max_p99_ms": 30000,
+}
+
+
+def alias_to_live(stack, result, args) -> float:
+    """Register the run's best checkpoint, move `champion` to it and time the route's answer
+    naming it (see the module's docstring)."""
+    import urllib.error
+    import urllib.request
+
+    from mlflow import MlflowClient
+
+    from deployments.testing.stack import deployed
+    from deployments.testing.watch import wait_for
+    from prefect_ray_lifecycle.control import registry
+    from prefect_ray_lifecycle.tasks.rollout.config import LLMServing, Serving
+
+    client = MlflowClient(stack.mlflow_uri)
+    name = f"bench-llm-{os.getpid()}"
+    registered = registry.register_llm_folder(
+        client,
+        name=name,
+        checkpoint=result.outcome.best_checkpoint_local,
+        experiment_name="bench-llm-finetune",
+        trial_key_value=f"bench-{os.getpid()}",
+    )
+    llm = LLMServing(
+        engine={"max_model_len": 128, "kv_cache_memory_bytes": 64 << 20, "dtype": "float32"},
+        num_cpus=0.5,
+        host_in_router=False,
+    )
+    registry.set_serving_tags(
+        client,
+        name,
+        SHIP_ROUTE,
+        "llm",
+        {"serving": Serving(router_num_cpus=0.1).model_dump(), "llm": llm.model_dump()},
+    )
+    url = f"http://127.0.0.1:{stack.serve_port}/{SHIP_ROUTE}"
+
+    def serving() -> bool:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url), timeout=5) as answer:
+                return answer.headers.get("X-Model-Version") == registered.version
+        except urllib.error.HTTPError as error:  # the router answers GET with 405
+            return error.headers.get("X-Model-Version") == registered.version
+        except OSError:
+            return False
+
+    parameters = {"reconcile/reconcile": {"gates": SHIP_GATES}}
+    with deployed(stack, routes=(SHIP_ROUTE,), parameters=parameters):
+        moved = time.perf_counter()
+        client.set_registered_model_alias(name, registry.CHAMPION, registered.version)
+        wait_for("the LLM version serves its route", serving, timeout=args.ship_timeout)
+        return time.perf_counter() - moved
 
 
 def raw_loop(config: dict[str, Any]) -> None:
@@ -241,6 +312,22 @@ def run_flow(stack, node, params, storage: Path, side: str, args) -> tuple[float
     return elapsed, result
 
 
+def evaluation_figures(results: list[Any]) -> dict[str, float | None]:
+    """Medians of the held-out evaluations before and after, over the undisturbed runs."""
+
+    def median(pick) -> float | None:
+        values = [pick(r) for r in results if r.evaluation and r.base_evaluation]
+        return round(statistics.median(values), 4) if values else None
+
+    return {
+        "ppl_before": median(lambda r: r.base_evaluation.perplexity),
+        "ppl_after": median(lambda r: r.evaluation.perplexity),
+        "exact_match_before": median(lambda r: r.base_evaluation.exact_match),
+        "exact_match_after": median(lambda r: r.evaluation.exact_match),
+        "held_out_prompts": results[-1].evaluation.examples if results else None,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of all four sides (>= 3)")
@@ -250,6 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=3000, help="corpus rows")
     parser.add_argument("--drain-deadline", type=int, default=15, help="seconds of warning")
     parser.add_argument("--head-cpus", type=int, default=4)
+    parser.add_argument(
+        "--no-ship", dest="ship", action="store_false", help="leave out alias_to_live_s"
+    )
+    parser.add_argument("--ship-timeout", type=float, default=420.0)
+    parser.add_argument(
+        "--sides",
+        default=",".join(SIDES),
+        help="which of raw,flow,kill,preempt to run (flow always runs); e.g. flow for the "
+        "evaluation and alias_to_live_s alone",
+    )
     args = parser.parse_args(argv)
 
     from deployments.testing.stack import pointed_at, temporary_stack
@@ -263,11 +360,14 @@ def main(argv: list[str] | None = None) -> int:
     source, prepared = work / "corpus", work / "prepared"
     corpus.write_corpus(source, args.examples, seed=0)
     base = build_tiny_llm(work / "tiny-llama")
-    times: dict[str, list[float]] = {side: [] for side in SIDES}
+    sides = tuple(s for s in SIDES if s in {*args.sides.split(","), "flow"})
+    times: dict[str, list[float]] = {side: [] for side in sides}
     # The machine's 1-minute load average at the end of each run: other work on a shared
     # machine shows up in the times, and this says how much there was.
-    loads: dict[str, list[float]] = {side: [] for side in SIDES}
-    outcomes: dict[str, list[Any]] = {side: [] for side in SIDES if side != "raw"}
+    loads: dict[str, list[float]] = {side: [] for side in sides}
+    outcomes: dict[str, list[Any]] = {side: [] for side in sides if side != "raw"}
+    results: list[Any] = []  # the undisturbed flow runs' results (their evaluations)
+    alias_s = None
     with temporary_stack(args.head_cpus, prefix="bf-") as stack, pointed_at(stack):
         # The corpus is prepared once (data-prep caches it), outside the timing.
         warm = flow_params(source, prepared, base, work / "warm", args)
@@ -275,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         warm.resources.placement_strategy = "PACK"
         llm_finetune(params=warm, ray_cluster=stack.ray_cluster())
         for round_index in range(args.rounds):
-            order = SIDES[round_index % 4 :] + SIDES[: round_index % 4]
+            shift = round_index % len(sides)
+            order = sides[shift:] + sides[:shift]
             for side in order:
                 storage = work / f"round{round_index}-{side}"
                 node_dir = stack.state_dir / f"n{round_index}{side[0]}"
@@ -295,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                         elapsed, result = run_flow(stack, node, params, storage, side, args)
                         times[side].append(elapsed)
                         outcomes[side].append(result.outcome)
+                        if side == "flow":
+                            results.append(result)
                 loads[side].append(os.getloadavg()[0])
                 print(
                     json.dumps(
@@ -306,13 +409,17 @@ def main(argv: list[str] | None = None) -> int:
                         }
                     )
                 )
+        if args.ship and results:
+            alias_s = alias_to_live(stack, results[-1], args)
     median = {side: statistics.median(values) for side, values in times.items()}
+    median.update({side: math.nan for side in SIDES if side not in median})  # not run
     flows = outcomes["flow"]
 
     def lost(side: str) -> int | None:
         """The most steps a resume of this side lost (None: no run of it resumed, e.g. the run
-        ended before the drain's deadline)."""
-        return max((r.lost_steps for o in outcomes[side] for r in o.resumes), default=None)
+        ended before the drain's deadline, or the side was not run)."""
+        runs = outcomes.get(side, [])
+        return max((r.lost_steps for o in runs for r in o.resumes), default=None)
 
     kill_overhead = median["kill"] - median["flow"]
     preempt_overhead = median["preempt"] - median["flow"]
@@ -328,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_s": round(statistics.median(o.tokens_per_s for o in flows), 1),
                 "loss_before": round(statistics.median(o.base_eval_loss for o in flows), 3),
                 "loss_after": round(statistics.median(o.best_eval_loss for o in flows), 3),
+                **evaluation_figures(results),
+                "alias_to_live_s": round(alias_s, 2) if alias_s is not None else None,
                 "checkpoint_every_steps": args.checkpoint_every,
                 "resume_lost_steps": lost("kill"),
                 "preempt_lost_steps": lost("preempt"),

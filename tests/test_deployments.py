@@ -24,6 +24,13 @@ USER_INPUT = {
     "register-and-promote": {
         "request": {"checkpoint": "/ckpt", "experiment_path": "/exp", "trial_id": "t1"}
     },
+    "llm-sweep": {
+        "params": {"data": {"source": "/corpus/*.jsonl", "output": "/prepared", "split_key": "id"}}
+    },
+    "register-llm": {"request": {"checkpoint": "/ckpt", "train_run": "/runs/r/finetune"}},
+    "llm-train-and-ship": {
+        "params": {"data": {"source": "/corpus/*.jsonl", "output": "/prepared", "split_key": "id"}}
+    },
 }
 
 
@@ -73,6 +80,9 @@ def test_rollouts_queue_and_schedules_are_defined_but_off():
         "serve-rollout",
         "reconcile",
         "train-and-ship",
+        "llm-sweep",
+        "register-llm",
+        "llm-train-and-ship",
     } <= set(by_name)
     assert by_name["serve-rollout"]["concurrency_limit"]["limit"] == 1
     assert [s["cron"] for s in by_name["train-and-ship"]["schedules"]] == ["0 2 * * *"]

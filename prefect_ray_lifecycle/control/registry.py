@@ -14,7 +14,7 @@ import json
 import re
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,6 +32,11 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}$")
 
 _NONE: Mapping[str, Any] = MappingProxyType({})
 MODEL_ARTIFACT_PATH = "policy"  # the pyfunc model inside its registration run
+LLM_ARTIFACT_PATH = "hf"  # an LLM version's Hugging Face folder inside its run
+POLICY_MODEL_DESCRIPTION = "RLlib policies registered by prefect-ray-lifecycle from Tune sweeps."
+LLM_MODEL_DESCRIPTION = (
+    "Causal LMs fine-tuned with Ray Train by prefect-ray-lifecycle (Hugging Face folders)."
+)
 CHAMPION, CHALLENGER, LIVE = "champion", "challenger", "live"
 
 
@@ -70,7 +75,7 @@ def find_version(client: MlflowClient, name: str, key: str) -> ModelVersion | No
     return min(found, key=lambda v: int(v.version)) if found else None
 
 
-def ensure_model(client: MlflowClient, name: str, create: bool) -> None:
+def ensure_model(client: MlflowClient, name: str, create: bool, description: str = "") -> None:
     try:
         client.get_registered_model(name)
     except MlflowException as error:
@@ -82,8 +87,7 @@ def ensure_model(client: MlflowClient, name: str, create: bool) -> None:
             ) from error
         try:
             client.create_registered_model(
-                name,
-                description="RLlib policies registered by prefect-ray-lifecycle from Tune sweeps.",
+                name, description=description or POLICY_MODEL_DESCRIPTION
             )
         except MlflowException as race:
             if race.error_code != "RESOURCE_ALREADY_EXISTS":
@@ -239,21 +243,138 @@ def register_checkpoint(
 ) -> Registration:
     """Log the checkpoint's RLModule as a pyfunc model in an MLflow run and register it as a
     version of `name`, once per trial key. Safe to call again after any failure."""
-    import mlflow
-    import numpy as np
-    from mlflow.models import infer_signature
-
-    from prefect_ray_lifecycle.control.shipping import RAY_SIDE, package_part
-    from prefect_ray_lifecycle.workloads.rl.policy_model import (
-        ARTIFACT_KEY,
-        RLModulePolicy,
-        copy_module_only,
-    )
-
     validate_model_name(name)
     check_checkpoint(checkpoint)
 
-    ensure_model(client, name, create_model)
+    def log_policy(run_id: str) -> str:
+        import mlflow
+        import numpy as np
+        from mlflow.models import infer_signature
+
+        from prefect_ray_lifecycle.control.shipping import RAY_SIDE, package_part
+        from prefect_ray_lifecycle.workloads.rl.policy_model import (
+            ARTIFACT_KEY,
+            RLModulePolicy,
+            copy_module_only,
+        )
+
+        example = np.zeros((2, observation_size), dtype=np.float32)
+        with tempfile.TemporaryDirectory() as folder:
+            module_only = copy_module_only(checkpoint, Path(folder) / "policy_checkpoint")
+            policy = RLModulePolicy()
+            actions = policy.predict(_Context({ARTIFACT_KEY: str(module_only)}), example)
+            # Saved locally, then logged through this client: no process-global MLflow URI
+            # or active run is touched, so sessions against different servers can't mix.
+            mlflow.pyfunc.save_model(
+                path=Path(folder) / MODEL_ARTIFACT_PATH,
+                python_model=policy,
+                artifacts={ARTIFACT_KEY: str(module_only)},
+                # The Ray side of the package travels with the model: a process without
+                # this project loads it from the model's own copy.
+                code_paths=[str(package_part(RAY_SIDE))],
+                signature=infer_signature(example, actions),
+                input_example=example,
+                pip_requirements=_requirements(),
+            )
+            client.log_artifacts(
+                run_id, str(Path(folder) / MODEL_ARTIFACT_PATH), MODEL_ARTIFACT_PATH
+            )
+        return f"runs:/{run_id}/{MODEL_ARTIFACT_PATH}"
+
+    return _register_version(
+        client,
+        name=name,
+        experiment_name=experiment_name,
+        trial_key_value=trial_key_value,
+        log_model=log_policy,
+        params=params,
+        metrics=metrics,
+        tags=tags,
+        description=description,
+        artifacts=artifacts,
+        create_model=create_model,
+        model_description=POLICY_MODEL_DESCRIPTION,
+    )
+
+
+def check_llm_folder(folder: str) -> None:
+    """Fail with a clear message unless `folder` is a Hugging Face causal LM with a tokenizer
+    (what the LLM app serves)."""
+    from prefect_ray_lifecycle.workloads.llm.models import causal_lm_problem
+
+    if not Path(folder).is_dir():
+        raise RegistrationError(f"checkpoint {folder!r} does not exist")
+    if problem := causal_lm_problem(Path(folder)):
+        raise RegistrationError(f"checkpoint: {problem}")
+
+
+def register_llm_folder(
+    client: MlflowClient,
+    *,
+    name: str,
+    checkpoint: str,
+    experiment_name: str,
+    trial_key_value: str,
+    params: Mapping[str, Any] = _NONE,
+    metrics: Mapping[str, float] = _NONE,
+    tags: Mapping[str, str] = _NONE,
+    description: str = "",
+    artifacts: Mapping[str, Any] = _NONE,
+    create_model: bool = True,
+) -> Registration:
+    """Log a fine-tune checkpoint's Hugging Face folder (its top level: config, weights,
+    tokenizer; not its `trainer_state/`) as the artifacts `hf/` of an MLflow run and register
+    it as a version of `name`, once per trial key: the folder the LLM app downloads and vLLM
+    loads as it is. Safe to call again after any failure."""
+    validate_model_name(name)
+    check_llm_folder(checkpoint)
+
+    def log_folder(run_id: str) -> str:
+        source = Path(checkpoint)
+        with tempfile.TemporaryDirectory() as scratch:
+            staged = Path(scratch) / LLM_ARTIFACT_PATH
+            staged.mkdir()
+            for entry in source.iterdir():  # the served files only: no optimizer state
+                if entry.is_file():
+                    (staged / entry.name).symlink_to(entry.resolve())
+            client.log_artifacts(run_id, str(staged), LLM_ARTIFACT_PATH)
+        return f"{client.get_run(run_id).info.artifact_uri}/{LLM_ARTIFACT_PATH}"
+
+    return _register_version(
+        client,
+        name=name,
+        experiment_name=experiment_name,
+        trial_key_value=trial_key_value,
+        log_model=log_folder,
+        params=params,
+        metrics=metrics,
+        tags=tags,
+        description=description,
+        artifacts=artifacts,
+        create_model=create_model,
+        model_description=LLM_MODEL_DESCRIPTION,
+    )
+
+
+def _register_version(
+    client: MlflowClient,
+    *,
+    name: str,
+    experiment_name: str,
+    trial_key_value: str,
+    log_model: Callable[[str], str],
+    params: Mapping[str, Any],
+    metrics: Mapping[str, float],
+    tags: Mapping[str, str],
+    description: str,
+    artifacts: Mapping[str, Any],
+    create_model: bool,
+    model_description: str,
+) -> Registration:
+    """One run per trial key holding the model (`log_model(run_id)` -> its source URI) and
+    one version of `name` per trial key: a second call, or one after a failure at any point,
+    finds what the first left and finishes it."""
+    ensure_model(client, name, create_model, model_description)
     if existing := find_version(client, name, trial_key_value):
         return Registration(name, existing.version, existing.run_id, existing.source, False)
 
@@ -290,28 +411,7 @@ def register_checkpoint(
                     else json.dumps(content, indent=1, default=str)
                 )
                 client.log_artifact(run_id, str(path))
-        example = np.zeros((2, observation_size), dtype=np.float32)
-        with tempfile.TemporaryDirectory() as folder:
-            module_only = copy_module_only(checkpoint, Path(folder) / "policy_checkpoint")
-            policy = RLModulePolicy()
-            actions = policy.predict(_Context({ARTIFACT_KEY: str(module_only)}), example)
-            # Saved locally, then logged through this client: no process-global MLflow URI
-            # or active run is touched, so sessions against different servers can't mix.
-            mlflow.pyfunc.save_model(
-                path=Path(folder) / MODEL_ARTIFACT_PATH,
-                python_model=policy,
-                artifacts={ARTIFACT_KEY: str(module_only)},
-                # The Ray side of the package travels with the model: a process without
-                # this project loads it from the model's own copy.
-                code_paths=[str(package_part(RAY_SIDE))],
-                signature=infer_signature(example, actions),
-                input_example=example,
-                pip_requirements=_requirements(),
-            )
-            client.log_artifacts(
-                run_id, str(Path(folder) / MODEL_ARTIFACT_PATH), MODEL_ARTIFACT_PATH
-            )
-        model_uri = f"runs:/{run_id}/{MODEL_ARTIFACT_PATH}"
+        model_uri = log_model(run_id)
         client.set_tag(run_id, f"{TAG}.model_uri", model_uri)
         client.set_terminated(run_id)
 

@@ -104,12 +104,14 @@ def record_model_version(
     *,
     experiment_path: str,
     metadata: dict[str, Any],
+    what: str = "an RLlib policy",
+    source: str = "a trial of",
 ) -> str:
     return record(
         model_version_key(server, model_name, version),
         name=f"{model_name} v{version}",
-        description=f"MLflow model version {model_name} v{version} (an RLlib "
-        f"policy), registered from a trial of {experiment_path}.",
+        description=f"MLflow model version {model_name} v{version} ({what}), registered "
+        f"from {source} {experiment_path}.",
         by="mlflow",
         deps=[experiment_key(experiment_path)],
         metadata=metadata,

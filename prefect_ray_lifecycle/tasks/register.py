@@ -15,9 +15,37 @@ from pydantic import BaseModel, Field
 
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry
-from prefect_ray_lifecycle.control.promotion import EvalProtocol, Score, Verdict, decide_promotion
+from prefect_ray_lifecycle.control.promotion import (
+    EvalProtocol,
+    LLMScore,
+    Score,
+    Verdict,
+    decide_llm_promotion,
+    decide_promotion,
+)
 from prefect_ray_lifecycle.tasks._base import mlflow_task
 from prefect_ray_lifecycle.workloads.constants import PROJECT_ROOT
+from prefect_ray_lifecycle.workloads.llm.evaluate import LLMEvalProtocol
+
+# The evaluation a version was scored with, and its figures (RL: mean/std return; LLM: exact
+# match and perplexity), kept on the version: a later promotion under the same protocol reads
+# them instead of evaluating again.
+PROTOCOL_TAG = f"{registry.TAG}.eval.protocol"
+EXACT_MATCH_TAG = f"{registry.TAG}.eval.exact_match"
+PERPLEXITY_TAG = f"{registry.TAG}.eval.perplexity"
+
+
+def recorded_protocol(text: str | None) -> EvalProtocol | LLMEvalProtocol | None:
+    """The protocol a version's tag records (an RL or an LLM one), or None."""
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+        if data.get("kind") == "llm":
+            return LLMEvalProtocol.from_json(text)
+        return EvalProtocol.from_json(text)
+    except (TypeError, ValueError):  # written by something else: evaluate again
+        return None
 
 
 class EvaluationSummary(BaseModel):
@@ -52,7 +80,7 @@ def lineage_tags(
         f"{registry.TAG}.tune.experiment_path": experiment_path,
         f"{registry.TAG}.tune.trial_id": trial_id,
         f"{registry.TAG}.git_commit": git_commit(),
-        f"{registry.TAG}.eval.protocol": protocol.to_json(),
+        PROTOCOL_TAG: protocol.to_json(),
     }
     if dataset_fingerprint:
         tags[f"{registry.TAG}.dataset.fingerprint"] = dataset_fingerprint
@@ -144,16 +172,36 @@ def register(
     return result
 
 
-def _score(client, tracking_uri: str, version, protocol: EvalProtocol) -> Score:
+def _score(client, tracking_uri: str, version, protocol) -> Score | LLMScore:
     """A version's score under `protocol`: from its tags when it was scored that way, else
-    by evaluating its RLModule again on the protocol's seeds."""
+    by evaluating it again (an RLModule on the protocol's seeds, an LLM on its held-out
+    prompts)."""
     import mlflow
 
     from prefect_ray_lifecycle.workloads.rl.policy_model import ARTIFACT_KEY
 
     tags = version.tags
-    recorded = tags.get(f"{registry.TAG}.eval.protocol")
-    if recorded and EvalProtocol.from_json(recorded) == protocol:
+    same = recorded_protocol(tags.get(PROTOCOL_TAG)) == protocol
+    if isinstance(protocol, LLMEvalProtocol):
+        if same:
+            return LLMScore(
+                version.version,
+                float(tags[EXACT_MATCH_TAG]),
+                float(tags[PERPLEXITY_TAG]),
+                protocol,
+            )
+        from prefect_ray_lifecycle.workloads.llm.config import MLflowModelSource
+        from prefect_ray_lifecycle.workloads.llm.evaluate import evaluate_model
+        from prefect_ray_lifecycle.workloads.llm.models import download_from_mlflow
+
+        folder = download_from_mlflow(
+            MLflowModelSource(
+                tracking_uri=tracking_uri, model_name=version.name, version=version.version
+            )
+        )
+        found = evaluate_model(folder, protocol)
+        return LLMScore(version.version, found.exact_match, found.perplexity, protocol)
+    if same:
         return Score(
             version.version,
             float(tags[f"{registry.TAG}.eval.mean_return"]),
@@ -167,16 +215,29 @@ def _score(client, tracking_uri: str, version, protocol: EvalProtocol) -> Score:
     return Score(version.version, summary.mean_return, summary.std_return, protocol)
 
 
+def _figures(side: str, score: Score | LLMScore | None, llm: bool) -> dict[str, Any]:
+    """A score's figures as verdict tags: `<side>_mean_return`, or an LLM's
+    `<side>_exact_match` and `<side>_perplexity` ("none" without a score)."""
+    if llm:
+        return {
+            f"{side}_exact_match": score.exact_match if score else "none",
+            f"{side}_perplexity": score.perplexity if score else "none",
+        }
+    return {f"{side}_mean_return": score.mean_return if score else "none"}
+
+
 @mlflow_task
 def promote(
     mlflow_server: MLflowServer,
     *,
     model_name: str,
     version: str,
-    protocol: EvalProtocol,
+    protocol: EvalProtocol | LLMEvalProtocol,
     margin: float,
+    perplexity_margin: float = 0.0,
 ) -> Verdict:
-    """Challenger in; champion moves only if the policy says so. Idempotent."""
+    """Challenger in; champion moves only if the policy says so (for LLM versions, the LLM
+    policy on exact match and perplexity: control.promotion). Idempotent."""
     actor = f"prefect flow run {flow_run.id}"
     with mlflow_server.session() as client:
         candidate = client.get_model_version(model_name, version)
@@ -189,13 +250,19 @@ def promote(
         uri = mlflow_server.tracking_uri
         challenger_score = _score(client, uri, candidate, protocol)
         champion_score = _score(client, uri, champion, protocol) if champion else None
-        verdict = decide_promotion(challenger_score, champion_score, margin)
+        llm = isinstance(protocol, LLMEvalProtocol)
+        if llm:
+            verdict = decide_llm_promotion(
+                challenger_score, champion_score, margin, perplexity_margin
+            )
+        else:
+            verdict = decide_promotion(challenger_score, champion_score, margin)
         record = {
             "verdict": "promoted" if verdict.promote else "rejected",
             "reason": verdict.reason,
-            "challenger_mean_return": challenger_score.mean_return,
+            **_figures("challenger", challenger_score, llm),
             "champion_version": champion.version if champion else "none",
-            "champion_mean_return": (champion_score.mean_return if champion_score else "none"),
+            **_figures("champion", champion_score, llm),
             "decided_by": actor,
         }
         registry.tag_verdict(client, model_name, version, "promotion", record)

@@ -47,7 +47,7 @@ from prefect_ray_lifecycle.workloads.llm.train.trainer import (
     tokenized_split,
 )
 
-__all__ = ["run_finetune"]
+__all__ = ["run_finetune", "tokenized_datasets"]
 
 
 def _preflight(plan: FineTunePlan) -> bool:
@@ -64,7 +64,7 @@ def _preflight(plan: FineTunePlan) -> bool:
     return plan.resources.use_gpu(totals.get("GPU", 0))
 
 
-def _datasets(plan: FineTunePlan, train_path: str, eval_path: str) -> dict:
+def tokenized_datasets(plan: FineTunePlan, train_path: str, eval_path: str) -> dict:
     train = tokenized_split(train_path, plan.spec, plan.resources)
     training = plan.spec.training
     if plan.tokenized == "object_store":
@@ -131,7 +131,7 @@ def _train(plan: FineTunePlan, train_path: str, eval_path: str) -> _Fitted:
     spec = plan.spec.model_copy(update={"use_gpu": use_gpu})
     trainer = build_trainer(
         spec,
-        _datasets(plan, train_path, eval_path),
+        tokenized_datasets(plan, train_path, eval_path),
         plan.resources,
         plan.failures,
         plan.storage_path,

@@ -67,9 +67,11 @@ def build_trainer(
     failures: FailureSettings,
     storage_path: str,
     history_location: str,
+    callbacks: list | None = None,
 ):
     """The TorchTrainer of one fine-tune run, stored at `storage_path`/RUN_NAME: the same path
-    again (a re-run of the flow run) resumes from its latest checkpoint."""
+    again (a re-run of the flow run) resumes from its latest checkpoint. `callbacks`: more
+    Ray Train callbacks beside the history's (a sweep's trial reports to Tune)."""
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -99,7 +101,7 @@ def build_trainer(
                 preemption_grace_s=failures.preemption_grace_s,
                 relax_collectives_on_preemption=failures.relax_collectives_on_preemption,
             ),
-            callbacks=[HistoryRecorder(history_location)],
+            callbacks=[HistoryRecorder(history_location), *(callbacks or [])],
             logging_config=LoggingConfig(log_level="WARNING"),
         ),
         datasets={TRAIN_DATASET: datasets[TRAIN_DATASET], EVAL_DATASET: datasets[EVAL_DATASET]},
