@@ -21,6 +21,9 @@ FLOW_NAMES = (
     "ray-smoke",
     "ray-fan-out",
     "llm-finetune",
+    "llm-sweep",
+    "register-llm",
+    "llm-train-and-ship",
     "rollout-approval",  # a paused approval beats too (its process waits, alive)
 )
 
