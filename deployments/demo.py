@@ -22,7 +22,9 @@ import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from deployments import local
 from prefect_ray_lifecycle.workloads.constants import PROJECT_ROOT
@@ -139,6 +141,58 @@ def chart_urls(mlflow_url: str, model_name: str, version: str) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class Ready:
+    """The local services up, every flow deployed and a worker on the pool."""
+
+    environment: Any  # deployments.setup's LocalEnvironment
+    env: dict[str, str]
+    prefect: str
+    prefect_url: str
+
+    def run_deployment(self, deployment: str, params: dict) -> tuple[str, str]:
+        """`prefect deployment run` with `params`: the flow run's id and its UI URL."""
+        out = run(
+            [self.prefect, "deployment", "run", deployment, "--params", json.dumps(params)],
+            self.env,
+            "prefect deployment run",
+        )
+        flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+        flow_run_url = f"{self.prefect_url}/runs/flow-run/{flow_run_id}"
+        print(f"   flow run {flow_run_url}")
+        return flow_run_id, flow_run_url
+
+
+def prepare(state_dir: Path) -> Ready | None:
+    """Start (or reuse) the services and a Ray head, set the environment up, deploy every flow
+    and start (or reuse) a process worker; None when the services did not start."""
+    if local.main(["up", "--ray", "--state-dir", str(state_dir)]) != 0:
+        return None
+    from deployments import setup
+
+    environment = setup.local_environment(state_dir)
+    os.environ.update(environment.client_env)  # this process talks to them from here on
+    env = {**os.environ}
+    python = sys.executable
+    prefect = str(Path(python).parent / "prefect")
+    state = ["--state-dir", str(state_dir)]
+
+    print("\n== setting up the environment (python -m deployments.setup)", flush=True)
+    for line in run([python, "-m", "deployments.setup", *state], env, "setup").splitlines():
+        print(f"   {line}")
+
+    print("== deploying every flow (prefect --no-prompt deploy --all)", flush=True)
+    out = run([prefect, "--no-prompt", "deploy", "--all"], env, "prefect deploy")
+    deployed = sorted(set(re.findall(r"Deployment '([^']+)' successfully", out)))
+    print(f"   {len(deployed)} deployments: {', '.join(deployed)}")
+
+    print("== starting a process worker for the pool", flush=True)
+    worker = run([python, "-m", "deployments.setup", *state, "--worker", "start"], env, "worker")
+    print(f"   {worker.strip()}")
+    prefect_url = environment.client_env["PREFECT_API_URL"].removesuffix("/api")
+    return Ready(environment, env, prefect, prefect_url)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m deployments.demo",
@@ -152,49 +206,18 @@ def main(argv: list[str] | None = None) -> int:
         help="folder for the local services' state (default: .local/)",
     )
     state_dir = parser.parse_args(argv).state_dir.resolve()
-    if local.main(["up", "--ray", "--state-dir", str(state_dir)]) != 0:
+    ready = prepare(state_dir)
+    if ready is None:
         return 1
     from deployments import setup
 
-    environment = setup.local_environment(state_dir)
-    client_env = environment.client_env
-    os.environ.update(client_env)  # this process talks to the local services from here on
-    env = {**os.environ}
-    python = sys.executable
-    prefect = str(Path(python).parent / "prefect")
-    prefect_url = client_env["PREFECT_API_URL"].removesuffix("/api")
+    environment, prefect_url = ready.environment, ready.prefect_url
     mlflow_url = environment.mlflow_uri
-
-    print("\n== setting up the environment (python -m deployments.setup)", flush=True)
-    state = ["--state-dir", str(state_dir)]
-    for line in run([python, "-m", "deployments.setup", *state], env, "setup").splitlines():
-        print(f"   {line}")
-
-    print("== deploying every flow (prefect --no-prompt deploy --all)", flush=True)
-    out = run([prefect, "--no-prompt", "deploy", "--all"], env, "prefect deploy")
-    deployed = sorted(set(re.findall(r"Deployment '([^']+)' successfully", out)))
-    print(f"   {len(deployed)} deployments: {', '.join(deployed)}")
-
-    print("== starting a process worker for the pool", flush=True)
-    print(
-        "   "
-        + run(
-            [python, "-m", "deployments.setup", *state, "--worker", "start"], env, "worker"
-        ).strip()
-    )
-
     from prefect.client.orchestration import get_client
 
     params = {"model_name": MODEL_NAME, "route": ROUTE, "storage_root": str(state_dir / "sweeps")}
     print(f"== running {DEPLOYMENT} through its deployment (a few minutes on 2 CPUs)", flush=True)
-    out = run(
-        [prefect, "deployment", "run", DEPLOYMENT, "--params", json.dumps(params)],
-        env,
-        "prefect deployment run",
-    )
-    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
-    flow_run_url = f"{prefect_url}/runs/flow-run/{flow_run_id}"
-    print(f"   flow run {flow_run_url}")
+    flow_run_id, flow_run_url = ready.run_deployment(DEPLOYMENT, params)
     from deployments import lineage
 
     route_url = f"http://127.0.0.1:{environment.serve_port}/{ROUTE}"

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -21,7 +19,7 @@ from pathlib import Path
 import requests
 
 from deployments import local
-from deployments.demo import run, watch
+from deployments.demo import prepare, watch
 
 DEPLOYMENT = "llm-train-and-ship/llm-train-and-ship"
 ROUTE = "llm"
@@ -43,23 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deployments.demo_llm", description=__doc__)
     parser.add_argument("--state-dir", type=Path, default=local.DEFAULT_STATE_DIR)
     state_dir = parser.parse_args(argv).state_dir.resolve()
-    if local.main(["up", "--ray", "--state-dir", str(state_dir)]) != 0:
+    ready = prepare(state_dir)
+    if ready is None:
         return 1
-    from deployments import setup
     from prefect_ray_lifecycle.workloads.llm import corpus
     from prefect_ray_lifecycle.workloads.llm.evaluate import LLMEvalProtocol, held_out_examples
 
-    environment = setup.local_environment(state_dir)
-    os.environ.update(environment.client_env)
-    env, python = {**os.environ}, sys.executable
-    prefect = str(Path(python).parent / "prefect")
-    prefect_url = environment.client_env["PREFECT_API_URL"].removesuffix("/api")
-    state = ["--state-dir", str(state_dir)]
-    print("\n== setting up, deploying every flow, starting a worker", flush=True)
-    run([python, "-m", "deployments.setup", *state], env, "setup")
-    run([prefect, "--no-prompt", "deploy", "--all"], env, "prefect deploy")
-    run([python, "-m", "deployments.setup", *state, "--worker", "start"], env, "worker")
-
+    environment = ready.environment
     source = state_dir / "llm" / "count"
     if not source.is_dir():
         corpus.write_corpus(source, 3000, seed=0)
@@ -79,14 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         "gates": GATES,
     }
     print(f"== running {DEPLOYMENT} (a few minutes on 2 CPUs)", flush=True)
-    out = run(
-        [prefect, "deployment", "run", DEPLOYMENT, "--params", json.dumps(params)],
-        env,
-        "prefect deployment run",
-    )
-    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
-    flow_run_url = f"{prefect_url}/runs/flow-run/{flow_run_id}"
-    print(f"   flow run {flow_run_url}")
+    flow_run_id, flow_run_url = ready.run_deployment(DEPLOYMENT, params)
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:

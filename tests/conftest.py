@@ -201,11 +201,11 @@ def _train_checkpoints(stack, root: Path) -> None:
         .training(train_batch_size_per_learner=1000, minibatch_size=128, num_epochs=6, lr=1e-3)
         .debugging(seed=0)
     )
-    from prefect_ray_lifecycle.workloads.rl.rllib import one_torch_thread
+    from prefect_ray_lifecycle.workloads.torch_threads import torch_threads
 
     # No env runners: the learner trains in this process, on one torch thread (see
-    # one_torch_thread: two threads on a busy machine made it many times slower).
-    with stack.ray_cluster().connect(), one_torch_thread():
+    # torch_threads: two threads on a busy machine made it many times slower).
+    with stack.ray_cluster().connect(), torch_threads(1):
         algo = config.build_algo()
         try:
             for _ in range(8):

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["PROJECT_ROOT", "start_flow_run"]
+__all__ = ["PROJECT_ROOT", "result_of", "start_flow_run"]
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,7 +40,7 @@ def start_flow_run(
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """Run the flow run `flow_run_id` of the flow at `entrypoint` ('module:flow') with
-    `parameters` (JSON) in a new process and session; its last stdout line is the result."""
+    `parameters` (JSON) in a new process and session; `result_of` its output is the result."""
     script.write_text(RUN_EXISTING_FLOW_RUN)
     return subprocess.Popen(
         [
@@ -59,3 +59,11 @@ def start_flow_run(
         text=True,
         start_new_session=True,
     )
+
+
+def result_of(output: str) -> dict:
+    """A flow process's result: its last JSON line. Not its last line: Prefect may log after
+    it at exit (on a busy machine "EventsWorker - Still processing items" came last once)."""
+    lines = [line for line in output.splitlines() if line.startswith("{")]
+    assert lines, f"no JSON result line in the flow process's output: {output[-3000:]}"
+    return json.loads(lines[-1])

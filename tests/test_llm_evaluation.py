@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from prefect_ray_lifecycle.tasks.finetune.evaluate import LLMEvaluationSummary
-from prefect_ray_lifecycle.tasks.finetune.register import llm_lineage_tags
+from prefect_ray_lifecycle.tasks.finetune.register import LLMLineage, llm_lineage_tags
 from prefect_ray_lifecycle.workloads.llm import corpus
 from prefect_ray_lifecycle.workloads.llm.evaluate import (
     LLMEvalProtocol,
@@ -64,18 +64,19 @@ def test_lineage_tags_name_the_runs_the_checkpoint_the_data_and_the_base():
         tokens=850,
         protocol=LLMEvalProtocol(50).to_json(),
     )
-    tags = llm_lineage_tags(
-        flow_run_id="fr-1",
-        flow_run_url="http://prefect/runs/flow-run/fr-1",
-        task_run_id="tr-1",
+    lineage = LLMLineage(
         train_run="/runs/fr-0/finetune",
         checkpoint="/runs/fr-0/finetune/checkpoint-000160-final",
         checkpoint_step=160,
         finetune_flow_run_id="fr-0",
         dataset_fingerprint="abc123",
         base="/models/tiny",
-        base_version=None,
-        trial_id=None,
+    )
+    tags = llm_lineage_tags(
+        lineage,
+        flow_run_id="fr-1",
+        flow_run_url="http://prefect/runs/flow-run/fr-1",
+        task_run_id="tr-1",
         commit="deadbeef",
         evaluation=evaluation,
     )

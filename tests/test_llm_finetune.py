@@ -369,11 +369,7 @@ def disturbed(stack, prefect_client, tiny_base, source, tmp_path_factory):
         cleanup.callback(kill_group, second)
         output, _ = second.communicate(timeout=600)
         assert second.returncode == 0, own_lines(output)
-    # The result is the last JSON line: Prefect may log after it at exit (on a busy machine
-    # "EventsWorker - Still processing items" came last once).
-    seen["result"] = json.loads(
-        next(line for line in reversed(output.splitlines()) if line.startswith("{"))
-    )
+    seen["result"] = flow_process.result_of(output)
     seen["records"] = read_history(str(history))
     snapshot_states(seen["records"], states)
     return seen

@@ -516,10 +516,7 @@ def test_a_killed_flow_run_resumes_its_sweep_without_redoing_finished_trials(
     second = _start_flow_run(stack, flow_run.id, parameters, tmp_path)
     output, _ = second.communicate(timeout=300)
     assert second.returncode == 0, output[-3000:]
-    # The last JSON line (tests/flow_process.py): Prefect may log after it at exit.
-    result = json.loads(
-        next(line for line in reversed(output.splitlines()) if line.startswith("{"))
-    )
+    result = flow_process.result_of(output)
 
     assert result["resumed"] is True
     assert result["experiment_path"] == str(experiment)

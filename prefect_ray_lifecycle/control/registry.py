@@ -398,8 +398,9 @@ def _register_version(
     model_uri = run.data.tags.get(f"{TAG}.model_uri") if runs else None
 
     if model_uri is None:
-        for key, value in params.items():
-            client.log_param(run_id, key, str(value)[:6000])
+        for key, value in params.items():  # a value that is not text is logged as JSON
+            text = value if isinstance(value, str) else json.dumps(value, default=str)
+            client.log_param(run_id, key, text[:6000])
         for key, value in metrics.items():
             client.log_metric(run_id, key, float(value))
         for file_name, content in artifacts.items():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from typing import Annotated
 
-from prefect import flow, get_run_logger
+from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
@@ -28,9 +28,9 @@ from prefect_ray_lifecycle.flows.llm_register import (
     register_llm_and_promote,
 )
 from prefect_ray_lifecycle.flows.llm_sweep import LLMSweepResult, llm_sweep
-from prefect_ray_lifecycle.flows.pipeline import champion_version, rollout_decision, served_version
+from prefect_ray_lifecycle.flows.pipeline import ship_registered
 from prefect_ray_lifecycle.flows.register import DEFAULT_MLFLOW_EXPERIMENT
-from prefect_ray_lifecycle.flows.rollout import RolloutResult, serve_rollout
+from prefect_ray_lifecycle.flows.rollout import RolloutResult
 from prefect_ray_lifecycle.tasks import lineage
 from prefect_ray_lifecycle.tasks.finetune.config import LLMSweepOutcome, LLMSweepSettings
 from prefect_ray_lifecycle.tasks.finetune.evaluate import LLMEvaluationSummary
@@ -151,7 +151,6 @@ def llm_train_and_ship(
         ray_cluster: The Ray cluster; it must have an address when ship is true.
         mlflow_server: The MLflow server; the local one (http://127.0.0.1:5000) when empty.
     """
-    logger = get_run_logger()
     cluster, server = ray_cluster or RayCluster(), mlflow_server or MLflowServer()
     registry.validate_model_name(model_name)
     serve_control.validate_route(route)
@@ -183,26 +182,17 @@ def llm_train_and_ship(
         if not ship:
             reason = "ship is false: no rollout"
         else:
-            served = served_version(route_url)
-            champion = None if registered.promoted else champion_version(server, model_name)
-            target, reason = rollout_decision(
-                version, registered.promoted, champion, served, route, registered.reason
+            rollout, served, reason = ship_registered(
+                registered,
+                model_name=model_name,
+                route=route,
+                cluster=cluster,
+                server=server,
+                gates=gates,
+                serving=serving,
+                kind="llm",
+                llm=llm,
             )
-            logger.info("rollout: %s", reason)
-            if target is not None:
-                rollout = serve_rollout(
-                    model_name=model_name,
-                    version=target,
-                    route=route,
-                    gates=gates,
-                    serving=serving,
-                    ray_cluster=cluster,
-                    mlflow_server=server,
-                    kind="llm",
-                    llm=llm,
-                )
-                served = rollout.version
-                reason = f"{reason}; rollout: {rollout.outcome} ({rollout.reason})"
     result = LLMPipelineResult(
         model_name=model_name,
         version=version,

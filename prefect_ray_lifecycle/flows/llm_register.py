@@ -27,7 +27,7 @@ from prefect_ray_lifecycle.tasks.finetune.evaluate import (
     evaluate_llm,
     publish_evaluation,
 )
-from prefect_ray_lifecycle.tasks.finetune.register import register_llm
+from prefect_ray_lifecycle.tasks.finetune.register import LLMLineage, register_llm
 from prefect_ray_lifecycle.tasks.params import Text
 from prefect_ray_lifecycle.tasks.register import promote, record_place
 from prefect_ray_lifecycle.tasks.rollout.config import LLMServing, Serving
@@ -175,14 +175,16 @@ def register_llm_and_promote(
     registration = register_llm(
         server,
         model_name=request.model_name,
-        checkpoint=request.checkpoint,
-        train_run=request.train_run,
-        trial_id=request.trial_id,
-        checkpoint_step=step,
-        finetune_flow_run_id=request.finetune_flow_run_id,
-        dataset_fingerprint=request.dataset_fingerprint,
-        base=request.base,
-        base_version=request.base_version,
+        lineage=LLMLineage(
+            train_run=request.train_run,
+            checkpoint=request.checkpoint,
+            checkpoint_step=step,
+            finetune_flow_run_id=request.finetune_flow_run_id,
+            dataset_fingerprint=request.dataset_fingerprint,
+            base=request.base,
+            base_version=request.base_version,
+            trial_id=request.trial_id,
+        ),
         evaluation=evaluation,
         params=request.params,
         metrics=request.metrics,

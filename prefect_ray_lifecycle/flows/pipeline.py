@@ -172,6 +172,43 @@ def rollout_decision(
     return None, f"v{version} was not promoted{why}; v{served} keeps serving /{route}"
 
 
+def ship_registered(
+    registered: Any,
+    *,
+    model_name: str,
+    route: str,
+    cluster: RayCluster,
+    server: MLflowServer,
+    **rollout: Any,
+) -> tuple[RolloutResult | None, str | None, str]:
+    """Roll out what `rollout_decision` picks for a registered version (the version when it
+    was promoted; the champion when nothing serves the route yet; else nothing), with the
+    route already held by the caller. Returns the rollout (None: none ran), the version the
+    route serves afterwards and why. `rollout`: serve_rollout's other arguments. A rejected
+    or rolled-back rollout raises RolloutFailed, and the caller's run fails too."""
+    served = served_version(f"{cluster.serve_url}/{route}")
+    champion = None if registered.promoted else champion_version(server, model_name)
+    target, reason = rollout_decision(
+        registered.version, registered.promoted, champion, served, route, registered.reason
+    )
+    get_run_logger().info("rollout: %s", reason)
+    if target is None:
+        return None, served, reason
+    result = serve_rollout(
+        model_name=model_name,
+        version=target,
+        route=route,
+        ray_cluster=cluster,
+        mlflow_server=server,
+        **rollout,
+    )
+    return (
+        result,
+        result.version,
+        (f"{reason}; rollout: {result.outcome} ({result.reason}) by flow run {result.flow_run_id}"),
+    )
+
+
 @flow(name="train-and-ship", log_prints=True)
 def train_and_ship(
     model_name: Text = DEFAULT_MODEL_NAME,
@@ -215,7 +252,6 @@ def train_and_ship(
             cluster that outlives the run) when ship is true.
         mlflow_server: The MLflow server; the local one (http://127.0.0.1:5000) when empty.
     """
-    logger = get_run_logger()
     cluster, server = ray_cluster or RayCluster(), mlflow_server or MLflowServer()
     registry.validate_model_name(model_name)
     if ship:
@@ -266,28 +302,15 @@ def train_and_ship(
         if not ship:
             reason = "ship is false: no rollout"
         else:
-            served = served_version(route_url)
-            champion = None if registered.promoted else champion_version(server, model_name)
-            target, reason = rollout_decision(
-                version, registered.promoted, champion, served, route, registered.reason
+            rollout, served, reason = ship_registered(
+                registered,
+                model_name=model_name,
+                route=route,
+                cluster=cluster,
+                server=server,
+                gates=gates,
+                serving=serving,
             )
-            logger.info("rollout: %s", reason)
-            if target is not None:
-                # A rejected or rolled-back rollout raises RolloutFailed: this run fails too.
-                rollout = serve_rollout(
-                    model_name=model_name,
-                    version=target,
-                    route=route,
-                    gates=gates,
-                    serving=serving,
-                    ray_cluster=cluster,
-                    mlflow_server=server,
-                )
-                served = rollout.version
-                reason = (
-                    f"{reason}; rollout: {rollout.outcome} ({rollout.reason}) by flow run "
-                    f"{rollout.flow_run_id}"
-                )
     shipped = rollout is not None
 
     result = PipelineResult(

@@ -145,9 +145,7 @@ def register(
             checkpoint=checkpoint,
             experiment_name=mlflow_experiment,
             trial_key_value=registry.trial_key(experiment_path, trial_id, checkpoint),
-            params={
-                k: json.dumps(v) if not isinstance(v, str) else v for k, v in best_config.items()
-            },
+            params=best_config,
             metrics={
                 **metrics,
                 "eval_mean_return": evaluation.mean_return,

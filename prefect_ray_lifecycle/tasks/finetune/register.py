@@ -5,7 +5,7 @@ trial when a sweep chose it) and its held-out evaluation as tags."""
 
 from __future__ import annotations
 
-import json
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import get_run_logger
@@ -23,40 +23,48 @@ from prefect_ray_lifecycle.tasks.register import (
     git_commit,
 )
 
-__all__ = ["llm_lineage_tags", "register_llm"]
+__all__ = ["LLMLineage", "llm_lineage_tags", "register_llm"]
 
 T = registry.TAG
 
 
+@dataclass(frozen=True)
+class LLMLineage:
+    """Where a checkpoint came from, as its version's tags tell it."""
+
+    train_run: str
+    checkpoint: str
+    checkpoint_step: int | None = None
+    finetune_flow_run_id: str | None = None
+    dataset_fingerprint: str | None = None
+    base: str = ""
+    base_version: str | None = None
+    trial_id: str | None = None
+
+
 def llm_lineage_tags(
+    lineage: LLMLineage,
     *,
     flow_run_id: str,
     flow_run_url: str,
     task_run_id: str,
-    train_run: str,
-    checkpoint: str,
-    checkpoint_step: int | None,
-    finetune_flow_run_id: str | None,
-    dataset_fingerprint: str | None,
-    base: str,
-    base_version: str | None,
-    trial_id: str | None,
     commit: str,
     evaluation: LLMEvaluationSummary,
 ) -> dict[str, str]:
     """The tags an LLM version carries, from what is known of it (empty facts left out)."""
+    step = lineage.checkpoint_step
     tags = {
         f"{T}.prefect.flow_run_id": flow_run_id,
         f"{T}.prefect.flow_run_url": flow_run_url,
         f"{T}.prefect.task_run_id": task_run_id,
-        f"{T}.train.run": train_run,
-        f"{T}.train.checkpoint": checkpoint,
-        f"{T}.train.checkpoint_step": "" if checkpoint_step is None else str(checkpoint_step),
-        f"{T}.train.flow_run_id": finetune_flow_run_id or "",
-        f"{T}.dataset.fingerprint": dataset_fingerprint or "",
-        f"{T}.base": base,
-        f"{T}.base.version": base_version or "",
-        f"{T}.tune.trial_id": trial_id or "",
+        f"{T}.train.run": lineage.train_run,
+        f"{T}.train.checkpoint": lineage.checkpoint,
+        f"{T}.train.checkpoint_step": "" if step is None else str(step),
+        f"{T}.train.flow_run_id": lineage.finetune_flow_run_id or "",
+        f"{T}.dataset.fingerprint": lineage.dataset_fingerprint or "",
+        f"{T}.base": lineage.base,
+        f"{T}.base.version": lineage.base_version or "",
+        f"{T}.tune.trial_id": lineage.trial_id or "",
         f"{T}.git_commit": commit,
         PROTOCOL_TAG: evaluation.protocol,
         EXACT_MATCH_TAG: f"{evaluation.exact_match:.6g}",
@@ -70,14 +78,7 @@ def register_llm(
     mlflow_server: MLflowServer,
     *,
     model_name: str,
-    checkpoint: str,
-    train_run: str,
-    trial_id: str | None,
-    checkpoint_step: int | None,
-    finetune_flow_run_id: str | None,
-    dataset_fingerprint: str | None,
-    base: str,
-    base_version: str | None,
+    lineage: LLMLineage,
     evaluation: LLMEvaluationSummary,
     params: dict[str, Any],
     metrics: dict[str, float],
@@ -86,23 +87,17 @@ def register_llm(
 ) -> registry.Registration:
     """Register the checkpoint once; a retry or a second call returns the same version."""
     tags = llm_lineage_tags(
+        lineage,
         flow_run_id=str(flow_run.id or ""),
         flow_run_url=str(url_for("flow-run", obj_id=flow_run.id) or ""),
         task_run_id=str(task_run.id or ""),
-        train_run=train_run,
-        checkpoint=checkpoint,
-        checkpoint_step=checkpoint_step,
-        finetune_flow_run_id=finetune_flow_run_id,
-        dataset_fingerprint=dataset_fingerprint,
-        base=base,
-        base_version=base_version,
-        trial_id=trial_id,
         commit=git_commit(),
         evaluation=evaluation,
     )
-    step = f" at step {checkpoint_step}" if checkpoint_step is not None else ""
+    step = "" if lineage.checkpoint_step is None else f" at step {lineage.checkpoint_step}"
     description = (
-        f"Fine-tune of {base} (Ray Train run {train_run}{step}), registered by Prefect flow "
+        f"Fine-tune of {lineage.base} (Ray Train run {lineage.train_run}{step}), registered by "
+        f"Prefect flow "
         f"run {flow_run.id}; held-out exact match {evaluation.exact_match:.2f}, perplexity "
         f"{evaluation.perplexity:.3f} on {evaluation.examples} prompts."
     )
@@ -110,10 +105,12 @@ def register_llm(
         result = registry.register_llm_folder(
             client,
             name=model_name,
-            checkpoint=checkpoint,
+            checkpoint=lineage.checkpoint,
             experiment_name=mlflow_experiment,
-            trial_key_value=registry.trial_key(train_run, trial_id or "finetune", checkpoint),
-            params={k: v if isinstance(v, str) else json.dumps(v) for k, v in params.items()},
+            trial_key_value=registry.trial_key(
+                lineage.train_run, lineage.trial_id or "finetune", lineage.checkpoint
+            ),
+            params=params,
             metrics={
                 **metrics,
                 "eval_exact_match": evaluation.exact_match,

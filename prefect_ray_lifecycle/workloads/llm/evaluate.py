@@ -24,6 +24,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from prefect_ray_lifecycle.workloads.llm.corpus import TASKS, Example, examples
+from prefect_ray_lifecycle.workloads.torch_threads import torch_threads
 
 __all__ = [
     "LLMEvalProtocol",
@@ -156,31 +157,33 @@ def evaluate_model(folder: str | Path, protocol: LLMEvalProtocol, threads: int =
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(threads)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    eos = tokenizer.eos_token_id
-    held_out = held_out_examples(protocol)
-    nll_sum, predicted, answers = 0.0, 0, []
-    with torch.no_grad():
-        for example in held_out:
-            prompt = tokenizer(example.prompt, add_special_tokens=False)["input_ids"]
-            reference = tokenizer(example.completion, add_special_tokens=False)["input_ids"]
-            # As in training: texts packed after an end-of-sequence token, ended by one.
-            ids = torch.tensor([[eos, *prompt, *reference, eos]])
-            loss = model(input_ids=ids, labels=ids).loss.item()
-            nll_sum += loss * (ids.shape[1] - 1)
-            predicted += ids.shape[1] - 1
-            context = torch.tensor([[eos, *prompt]])
-            out = model.generate(
-                context,
-                attention_mask=torch.ones_like(context),
-                max_new_tokens=max(1, len(reference)),
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
-            )
-            answers.append(tokenizer.decode(out[0, context.shape[1] :], skip_special_tokens=True))
+    with torch_threads(threads):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        held_out = held_out_examples(protocol)
+        nll_sum, predicted, answers = 0.0, 0, []
+        with torch.no_grad():
+            for example in held_out:
+                prompt = tokenizer(example.prompt, add_special_tokens=False)["input_ids"]
+                reference = tokenizer(example.completion, add_special_tokens=False)["input_ids"]
+                # As in training: texts packed after an end-of-sequence token, ended by one.
+                ids = torch.tensor([[eos, *prompt, *reference, eos]])
+                loss = model(input_ids=ids, labels=ids).loss.item()
+                nll_sum += loss * (ids.shape[1] - 1)
+                predicted += ids.shape[1] - 1
+                context = torch.tensor([[eos, *prompt]])
+                out = model.generate(
+                    context,
+                    attention_mask=torch.ones_like(context),
+                    max_new_tokens=max(1, len(reference)),
+                    do_sample=False,
+                    eos_token_id=eos,
+                    pad_token_id=pad,
+                )
+                answer = out[0, context.shape[1] :]
+                answers.append(tokenizer.decode(answer, skip_special_tokens=True))
     references = [e.completion for e in held_out]
     return LLMEvaluation(
         perplexity=perplexity(nll_sum, predicted),

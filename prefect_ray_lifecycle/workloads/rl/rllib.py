@@ -7,15 +7,15 @@ one registration and promotion reuse.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prefect_ray_lifecycle.compat import ray_internals
+from prefect_ray_lifecycle.workloads.torch_threads import torch_threads
 
 SEARCH_SPACE_KINDS = ("uniform", "loguniform", "choice", "randint", "grid")
 # Where RLlib's new API stack reports a trial's mean episode return and its env steps.
@@ -347,24 +347,6 @@ def greedy_action(module, obs) -> Any:
     return dist.to_deterministic().sample()[0].numpy()
 
 
-@contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """torch on one thread for a while (then as it was). A policy's forward pass is a few
-    small matrices: with torch's default of a thread per core, each op waits until every one
-    of its threads gets a core, so on a busy machine 5 greedy CartPole episodes took 129 s
-    (22 s of CPU, spinning) where one thread took 2.3 s (2 cores, a test suite beside it).
-    Ray workers already get OMP_NUM_THREADS from their num_cpus; a flow's own process does
-    not."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def evaluate_checkpoint(
     checkpoint: str | Path,
     environment: str,
@@ -381,7 +363,7 @@ def evaluate_checkpoint(
     seeds = [seed + EVAL_SEED_OFFSET + i for i in range(episodes)]
     returns = []
     try:
-        with one_torch_thread():
+        with torch_threads(1):
             for episode_seed in seeds:
                 obs, _ = env.reset(seed=episode_seed)
                 total, steps, done = 0.0, 0, False
