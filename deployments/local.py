@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from prefect_ray_lifecycle.workloads.constants import GCS_PORT_WAIT_ENV, GCS_PORT_WAIT_S
+
 HOST = "127.0.0.1"
 # deployments/ is this checkout's tooling, not part of the installed package: the services
 # it starts from other folders import it from here.
@@ -153,6 +155,7 @@ class Service:
         ray_tmp.mkdir(parents=True, exist_ok=True)
         self.ray_token()
         env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token")
+        env.setdefault(GCS_PORT_WAIT_ENV, GCS_PORT_WAIT_S)
         env["RAY_AUTH_TOKEN_PATH"] = str(self.ray_token_file)
         env.pop("RAY_AUTH_TOKEN", None)  # a client's token in this shell is not the head's
         argv = [str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address", HOST]

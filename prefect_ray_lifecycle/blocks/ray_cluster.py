@@ -19,7 +19,11 @@ from pydantic import Field, SecretStr, field_validator
 from prefect_ray_lifecycle.compat import ray_internals
 from prefect_ray_lifecycle.control.ray_shutdown import shutdown_in_background, wait_for_shutdown
 from prefect_ray_lifecycle.control.shipping import DRIVER_SIDE, RAY_SIDE, package_part
-from prefect_ray_lifecycle.workloads.constants import PROJECT_NAMESPACE
+from prefect_ray_lifecycle.workloads.constants import (
+    GCS_PORT_WAIT_ENV,
+    GCS_PORT_WAIT_S,
+    PROJECT_NAMESPACE,
+)
 
 # Never shipped with the project's packages or a runtime_env working_dir (more may be added).
 PACKAGE_EXCLUDES = ("__pycache__", "*.pyc")
@@ -302,6 +306,7 @@ class RayCluster(Block):
             "log_to_driver": True,
         }
         if self.is_embedded:
+            os.environ.setdefault(GCS_PORT_WAIT_ENV, GCS_PORT_WAIT_S)
             # Ray maps a loopback node IP to the machine's own, so only the dashboard can be
             # held to 127.0.0.1; core ports rely on Ray's token auth (default in 2.60).
             kwargs.update(dashboard_host=LOCAL_HOST, include_dashboard=True)

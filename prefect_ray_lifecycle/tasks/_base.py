@@ -9,8 +9,10 @@ from prefect import task
 
 __all__ = ["MLFLOW_RETRIES", "MLFLOW_RETRY_DELAYS", "is_connection_error", "mlflow_task"]
 
-MLFLOW_RETRIES = 4
-MLFLOW_RETRY_DELAYS = [2, 4, 8, 16]
+# Two minutes in all: an MLflow server restarting on a busy machine took longer than the 30 s
+# that [2, 4, 8, 16] gave (the outage test failed so: every retry used up before it answered).
+MLFLOW_RETRY_DELAYS = [2, 4, 8, 16, 30, 60]
+MLFLOW_RETRIES = len(MLFLOW_RETRY_DELAYS)
 _CONNECTION_MARKERS = (
     "Max retries exceeded",
     "Connection refused",

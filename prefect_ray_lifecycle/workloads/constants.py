@@ -33,6 +33,12 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # The Ray namespace of the project's jobs and named actors; Serve keeps its own.
 PROJECT_NAMESPACE = "prefect-ray-lifecycle"
 SERVE_NAMESPACE = "serve"
+# A Ray the project starts (embedded, or `deployments.local`'s head) waits 30 s, Ray 2.60's
+# default read from this variable in ray/_private/node.py, for its GCS to write its port,
+# then fails: on a busy 2-core machine an embedded start ran past it once. Two minutes,
+# unless the user set their own.
+GCS_PORT_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"
+GCS_PORT_WAIT_S = "120"
 
 # Response headers every route answer carries.
 VERSION_HEADER = "X-Model-Version"

@@ -54,6 +54,7 @@ from prefect_ray_lifecycle.workloads.http import (
     tagged_headers,
     to_response,
 )
+from prefect_ray_lifecycle.workloads.serve import upstream
 from prefect_ray_lifecycle.workloads.serve.hosted import Hosted, host
 from prefect_ray_lifecycle.workloads.serve.route_state import FIGURES_KEEP_S, RouteStateClient
 from prefect_ray_lifecycle.workloads.serve.router_config import RouterConfig, Target
@@ -417,70 +418,11 @@ class Router:
         headers = tagged_headers(head.get("headers", {}), answered.version, extra)
         return StreamingResponse(chunks(), status_code=head.get("status", 200), headers=headers)
 
-    async def _open_stream(self, target: Target, req: dict[str, Any], timeout_s: float):
-        """(stream, head) once the first item came and is not a 5xx; else a JSON answer."""
-        stream = None
-        hosted = self._hosted(target)
-        try:
-            if hosted is not None:
-                stream = hosted.stream(req)
-            else:
-                stream = self._handle(target).options(stream=True).handle_http_stream.remote(req)
-            head = await asyncio.wait_for(stream.__anext__(), timeout_s)
-        except Exception as error:
-            if stream is not None:
-                await _cancel(stream)
-            if isinstance(error, TimeoutError):
-                reason, status = f"no first chunk within {timeout_s:g} s", 504
-            else:
-                reason, status = f"{type(error).__name__}: {str(error)[-300:]}", 502
-            return json_response(status, {"error": f"v{target.version}: {reason}"})
-        if head.get("status", 200) >= 500:
-            await _cancel(stream)
-            return json_response(502, {"error": f"v{target.version} answered {head['status']}"})
-        return stream, head
+    def _forward(self, target: Target, req: dict[str, Any], timeout_s: float):
+        return upstream.forward(self._handle, target, req, timeout_s)
 
-    async def _forward(self, target: Target, req: dict[str, Any], timeout_s: float):
-        try:
-            response = self._handle(target).handle_http.remote(req)
-        except Exception as error:
-            return json_response(
-                502,
-                {
-                    "error": f"v{target.version} ({target.app}) is not "
-                    f"reachable: {type(error).__name__}: {error}"
-                },
-            )
-
-        async def result():
-            return await response
-
-        try:
-            return await asyncio.wait_for(result(), timeout_s)
-        except TimeoutError:
-            await _cancel(response)
-            return json_response(
-                504,
-                {"error": f"v{target.version} did not answer within {timeout_s:g} s"},
-            )
-        except Exception as error:
-            message = str(error).strip().splitlines()[-1] if str(error).strip() else ""
-            return json_response(
-                502,
-                {"error": f"v{target.version} failed: {type(error).__name__}: {message[:300]}"},
-            )
-
-
-async def _cancel(call: Any) -> None:
-    """Cancel a handle call (or close a hosted stream) that is no longer wanted; one whose
-    replica died may refuse."""
-    try:
-        if hasattr(call, "aclose"):
-            await call.aclose()
-        else:
-            call.cancel()
-    except Exception:  # nothing to cancel: the answer is already decided
-        logger.debug("could not cancel a call", exc_info=True)
+    def _open_stream(self, target: Target, req: dict[str, Any], timeout_s: float):
+        return upstream.open_stream(self._hosted(target), self._handle, target, req, timeout_s)
 
 
 def _ms_since(started: float) -> float:
