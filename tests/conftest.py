@@ -28,11 +28,12 @@ SERVICE_FIXTURES = {"stack", "prefect_api"}
 
 # Seconds of one worker each group took in a full `make test` here (2 workers, 2 cores): the
 # groups are handed out longest first, so that the last to start are short and both workers
-# end together (xdist's default order, by number of tests, left the 2-test control loop
-# module for last: one worker ran alone for its last 100 s). A group not listed counts as
+# end together (xdist's default order, by number of tests, left the 2-test recovery module
+# for last: one worker ran alone for its last 100 s). A group not listed counts as
 # DEFAULT_GROUP_S; stale figures only cost balance.
 GROUP_S = {
-    "test_recovery": 650,
+    "test_stack_restart": 340,
+    "test_recovery": 320,
     "test_approval": 300,
     "llm": 280,
     "test_rollout": 235,

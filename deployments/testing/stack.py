@@ -192,6 +192,11 @@ def undeploy() -> None:
             deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=crashes.FLOW_NAMES))
         )
         for deployment in found:
+            # Prefect 3.9 deletes a deployment without the automations its triggers made
+            # (only `prefect deploy` replaces them): left behind, the next deploy on this
+            # server made a second `reconcile-on-champion-moved`, acting for a deleted
+            # deployment.
+            client.delete_resource_owned_automations(f"prefect.deployment.{deployment.id}")
             client.delete_deployment(deployment.id)
 
 
