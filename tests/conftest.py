@@ -26,41 +26,8 @@ REQUIRE_LLM_ENV = "RLT_REQUIRE_LLM"
 SERVICE_FIXTURES = {"stack", "prefect_api"}
 
 
-# Seconds of one worker each group took in a full `make test` here (2 workers, 2 cores): the
-# groups are handed out longest first, so that the last to start are short and both workers
-# end together (xdist's default order, by number of tests, left the 2-test recovery module
-# for last: one worker ran alone for its last 100 s). A group not listed counts as
-# DEFAULT_GROUP_S; stale figures only cost balance.
-GROUP_S = {
-    "test_stack_restart": 340,
-    "test_recovery": 320,
-    "test_approval": 300,
-    "llm": 280,
-    "test_rollout": 235,
-    "test_shadow_sticky": 205,
-    "test_llm_finetune": 185,
-    "test_pipeline_deployment": 170,
-    "test_ray_client": 160,
-    "test_multinode": 155,
-    "test_ray_connection": 120,
-    "test_register": 115,
-    "test_tune_sweep": 100,
-    "test_http_contract": 75,
-    "test_data_prep": 75,
-    "test_old_layout": 70,
-    "test_webhooks": 50,
-}
-DEFAULT_GROUP_S = 20
-
-
 def _group(item) -> str:
     return "llm" if item.get_closest_marker("llm") else item.module.__name__.rpartition(".")[2]
-
-
-def pytest_configure(config):
-    # Groups in the order of the collection (sorted below), not by their number of tests.
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -72,8 +39,6 @@ def pytest_collection_modifyitems(config, items):
         # which has its own services; the vLLM modules share one worker, so that no two vLLM
         # engines load at once.
         item.add_marker(pytest.mark.xdist_group(_group(item)))
-    # Longest groups first; within a group, the order of the files (a stable sort).
-    items.sort(key=lambda item: -GROUP_S.get(_group(item), DEFAULT_GROUP_S))
 
 
 def pytest_collection_finish(session):
