@@ -186,6 +186,12 @@ def gated(route):
             gates=gates(
                 canary_steps=STEPS,
                 canary_hold_s=8,
+                # Each step lasts until the candidate answered 200, however slow the machine:
+                # the checks below need sessions seen in both steps (a visit to all SESSIONS
+                # is 600 requests) and 50 with several requests in each. Held 8 s alone, a
+                # loaded run saw no session in both steps.
+                canary_min_requests=200,
+                canary_max_wait_s=120,
                 min_agreement=1.0,
                 tester_header="on",
                 shadow_noise_floor="on",

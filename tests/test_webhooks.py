@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from http_fuzz import RECEIVER_REQUESTS
-from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import HealthCheck, event, example, given, reject, settings
 from mlflow import MlflowClient
 from prefect.events.filters import EventFilter, EventIDFilter, EventResourceFilter
 from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -336,7 +336,12 @@ def test_the_running_receiver_never_answers_5xx_to_bad_input(
 ):
     """The same over HTTP to the session's receiver process (its block: `webhook`)."""
     headers, delivery_id = fuzzed_headers(webhook, body, **parts)
-    response = http.request(method, f"{stack.receiver_url}{path}", content=body, headers=headers)
+    try:
+        response = http.request(
+            method, f"{stack.receiver_url}{path}", content=body, headers=headers
+        )
+    except httpx.LocalProtocolError:  # e.g. a header value of b" ": no HTTP client sends it
+        reject()
     event(f"status {response.status_code}")
     assert_receiver_contract(response, body, delivery_id)
 
