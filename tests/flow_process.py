@@ -4,15 +4,17 @@ checkout first on the path; the flow's RayCluster points at the session's head."
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["PROJECT_ROOT", "result_of", "start_flow_run"]
+__all__ = ["PROJECT_ROOT", "FlowProcess", "result_of", "start_flow_run"]
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+_STARTED = itertools.count()  # a flow run started twice gets a log of each
 
 RUN_EXISTING_FLOW_RUN = """
 import importlib, json, sys
@@ -31,6 +33,26 @@ print(run_flow(flow, flow_run=flow_run, parameters=parameters).model_dump_json()
 """
 
 
+class FlowProcess(subprocess.Popen):
+    """A flow process whose output goes to a file, read with `output()` (or `communicate`)
+    at any time. Not a pipe: nobody reads a pipe while the test waits on the run's progress,
+    and a process that has written 64 KiB to a full pipe stops at its next write (a
+    fine-tune's Ray Data progress bars, redrawn more often on a slow machine, got there
+    before its first step once: no history for 300 s)."""
+
+    def __init__(self, args: list[str], log: Path, **kwargs) -> None:
+        self.log = log
+        with open(log, "w") as out:
+            super().__init__(args, stdout=out, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def communicate(self, input=None, timeout=None) -> tuple[str, None]:  # noqa: A002
+        self.wait(timeout=timeout)
+        return self.output(), None
+
+
 def start_flow_run(
     stack,
     entrypoint: str,
@@ -38,11 +60,12 @@ def start_flow_run(
     parameters: dict,
     script: Path,
     env: dict[str, str] | None = None,
-) -> subprocess.Popen:
+) -> FlowProcess:
     """Run the flow run `flow_run_id` of the flow at `entrypoint` ('module:flow') with
-    `parameters` (JSON) in a new process and session; `result_of` its output is the result."""
+    `parameters` (JSON) in a new process and session; `result_of` its output is the result.
+    Its output goes beside `script`, to a file named for the script and the flow run."""
     script.write_text(RUN_EXISTING_FLOW_RUN)
-    return subprocess.Popen(
+    return FlowProcess(
         [
             sys.executable,
             str(script),
@@ -52,11 +75,9 @@ def start_flow_run(
             stack.ray_token,
             json.dumps(parameters),
         ],
+        script.with_name(f"{script.stem}-{flow_run_id}-{os.getpid()}-{next(_STARTED)}.log"),
         cwd=PROJECT_ROOT,
         env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT), **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
         start_new_session=True,
     )
 

@@ -45,6 +45,9 @@ def test_a_driver_elsewhere_gets_the_project_from_py_modules_and_its_own_tempora
     outside the checkout, workers import the project from the shipped py_modules."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    # Prefect gives its temporary server 20 s to answer: on a loaded CI machine it took
+    # longer once ("Timed out while attempting to connect to ephemeral Prefect API server").
+    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
     result = subprocess.run(
         [
             sys.executable,

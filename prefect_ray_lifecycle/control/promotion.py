@@ -51,12 +51,7 @@ def decide_promotion(challenger: Score, champion: Score | None, margin: float) -
             f"no champion yet; challenger v{challenger.version} scores "
             f"{challenger.mean_return:.2f}",
         )
-    if champion.protocol != challenger.protocol:
-        raise ValueError(
-            f"champion v{champion.version} and challenger v{challenger.version} were scored "
-            f"under different protocols ({champion.protocol} vs {challenger.protocol}); "
-            f"score both under one protocol first"
-        )
+    _check_same_protocol(challenger, champion)
     gain = challenger.mean_return - champion.mean_return
     comparison = (
         f"challenger v{challenger.version} {challenger.mean_return:.2f} vs champion "
@@ -102,12 +97,7 @@ def decide_llm_promotion(
         )
     if champion is None:
         return Verdict(True, f"no champion yet; challenger {challenger.describe()}")
-    if champion.protocol != challenger.protocol:
-        raise ValueError(
-            f"champion v{champion.version} and challenger v{challenger.version} were scored "
-            f"under different protocols ({champion.protocol} vs {challenger.protocol}); "
-            f"score both under one protocol first"
-        )
+    _check_same_protocol(challenger, champion)
     gain = challenger.exact_match - champion.exact_match
     drop = 1 - challenger.perplexity / champion.perplexity
     comparison = (
@@ -119,3 +109,13 @@ def decide_llm_promotion(
     if gain >= 0 and drop > perplexity_margin:
         return Verdict(True, f"perplexity {drop:.0%} lower at no lower exact match: {comparison}")
     return Verdict(False, f"not better by a margin: {comparison}")
+
+
+def _check_same_protocol(challenger: Score | LLMScore, champion: Score | LLMScore) -> None:
+    """Scores under different protocols are not comparable: refuse, naming both."""
+    if champion.protocol != challenger.protocol:
+        raise ValueError(
+            f"champion v{champion.version} and challenger v{challenger.version} were scored "
+            f"under different protocols ({champion.protocol} vs {challenger.protocol}); "
+            f"score both under one protocol first"
+        )

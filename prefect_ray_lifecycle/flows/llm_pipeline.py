@@ -14,7 +14,7 @@ from typing import Annotated
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from prefect_ray_lifecycle.blocks import MLflowServer, RayCluster
 from prefect_ray_lifecycle.control import registry, serve_control
@@ -28,9 +28,8 @@ from prefect_ray_lifecycle.flows.llm_register import (
     register_llm_and_promote,
 )
 from prefect_ray_lifecycle.flows.llm_sweep import LLMSweepResult, llm_sweep
-from prefect_ray_lifecycle.flows.pipeline import ship_registered
+from prefect_ray_lifecycle.flows.pipeline import ShippedVersion, ship_registered
 from prefect_ray_lifecycle.flows.register import DEFAULT_MLFLOW_EXPERIMENT
-from prefect_ray_lifecycle.flows.rollout import RolloutResult
 from prefect_ray_lifecycle.tasks import lineage
 from prefect_ray_lifecycle.tasks.finetune.config import LLMSweepOutcome, LLMSweepSettings
 from prefect_ray_lifecycle.tasks.finetune.evaluate import LLMEvaluationSummary
@@ -42,21 +41,10 @@ from prefect_ray_lifecycle.workloads.constants import VERSION_HEADER
 __all__ = ["LLMPipelineResult", "llm_train_and_ship", "registration_request"]
 
 
-class LLMPipelineResult(BaseModel):
-    model_name: str
-    version: str = Field(description="The version this run registered.")
+class LLMPipelineResult(ShippedVersion):
     base_evaluation: LLMEvaluationSummary | None = Field(description="The base's figures.")
     evaluation: LLMEvaluationSummary = Field(description="The new version's figures.")
-    promoted: bool = Field(description="Whether it is the champion now.")
-    promotion_reason: str
-    shipped: bool = Field(description="Whether a rollout ran (and passed its gates).")
-    reason: str = Field(description="Why it was, or was not, rolled out.")
-    served_version: str | None = Field(description="What the route serves at the end.")
-    route_url: str | None = None
-    rollout: RolloutResult | None = None
-    model_version_url: str
     train_flow_run_id: str | None = None
-    dataset_fingerprint: str | None = None
     trial_id: str | None = Field(None, description="The sweep's winning trial, if swept.")
     sweep: LLMSweepOutcome | None = Field(None, description="The sweep's trials, if swept.")
 

@@ -15,13 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field, field_validator
 
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
-from prefect_ray_lifecycle.flows.register import DEFAULT_MLFLOW_EXPERIMENT, RegistrationResult
-from prefect_ray_lifecycle.tasks import charts, lineage
+from prefect_ray_lifecycle.flows.register import (
+    DEFAULT_MLFLOW_EXPERIMENT,
+    RegistrationChart,
+    RegistrationResult,
+    finish_registration,
+)
 from prefect_ray_lifecycle.tasks.finetune.evaluate import (
     LLMEvaluationSummary,
     evaluate_llm,
@@ -29,7 +32,7 @@ from prefect_ray_lifecycle.tasks.finetune.evaluate import (
 )
 from prefect_ray_lifecycle.tasks.finetune.register import LLMLineage, register_llm
 from prefect_ray_lifecycle.tasks.params import Text
-from prefect_ray_lifecycle.tasks.register import promote, record_place
+from prefect_ray_lifecycle.tasks.register import record_place
 from prefect_ray_lifecycle.tasks.rollout.config import LLMServing, Serving
 from prefect_ray_lifecycle.workloads.llm.evaluate import LLMEvaluationSettings
 from prefect_ray_lifecycle.workloads.llm.train.state import read_state
@@ -194,58 +197,41 @@ def register_llm_and_promote(
     # Before the promotion: its champion move must find the route, the kind and the settings.
     record_place(server, request.model_name, request.route, "llm", request.serving_settings())
     version = registration.version
-    chart_url = None
-    if request.loss_chart and Path(request.loss_chart).is_file():
-        chart_url = charts.publish_file(
-            request.loss_chart,
-            server=server,
-            run_id=registration.run_id,
-            artifact_path=LOSS_CHART_PATH,
-            key=charts.artifact_key("loss-chart", request.model_name),
-            description=f"The fine-tune behind {request.model_name} v{version}",
-        )
-    verdict = promote(
-        server,
-        model_name=request.model_name,
-        version=version,
-        protocol=protocol,
-        margin=margin,
-        perplexity_margin=perplexity_margin,
-    )
     publish_evaluation(
         {f"{request.model_name} v{version}": evaluation},
         "llm-registration-evaluation",
         f"Held-out evaluation of {request.model_name} v{version}",
     )
-    lineage.record_model_version(
+    chart = None
+    if request.loss_chart and Path(request.loss_chart).is_file():
+        chart = RegistrationChart(
+            request.loss_chart,
+            LOSS_CHART_PATH,
+            "loss-chart",
+            "Loss chart",
+            f"The fine-tune behind {request.model_name} v{version}",
+        )
+    verdict = finish_registration(
         server,
-        request.model_name,
-        version,
+        registration,
+        model_name=request.model_name,
+        chart=chart,
+        promotion={
+            "protocol": protocol,
+            "margin": margin,
+            "perplexity_margin": perplexity_margin,
+        },
         experiment_path=request.train_run,
         metadata={
             "checkpoint_step": step,
             "exact_match": evaluation.exact_match,
             "perplexity": evaluation.perplexity,
-            "promoted": verdict.promote,
-            "reason": verdict.reason,
-            "model_uri": registration.model_uri,
             "dataset_fingerprint": request.dataset_fingerprint,
             "route": request.route,
         },
-        what="a fine-tuned causal LM",
-        source="the Ray Train run",
-    )
-    url = lineage.model_version_url(server, request.model_name, version)
-    create_markdown_artifact(
-        key="registration",
-        markdown=(
-            f"**{request.model_name} v{version}** "
-            f"({'new' if registration.created else 'already registered'}), served on "
-            f"`/{request.route}`: "
-            f"{'promoted to champion' if verdict.promote else 'challenger, not promoted'}: "
-            f"{verdict.reason}\n\nModel: {url}"
-            + (f"\n\nLoss chart: [{LOSS_CHART_PATH}]({chart_url})" if chart_url else "")
-        ),
+        served_on=request.route,
+        not_promoted="challenger, not promoted",
+        lineage_kinds={"what": "a fine-tuned causal LM", "source": "the Ray Train run"},
         description="MLflow registration and promotion verdict of an LLM version",
     )
     return LLMRegistrationResult(

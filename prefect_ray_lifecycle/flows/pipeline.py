@@ -55,10 +55,12 @@ DEFAULT_SWEEP = SweepConfig(
 )
 
 
-class PipelineResult(BaseModel):
+class ShippedVersion(BaseModel):
+    """What a train-and-ship run ends with, whatever it trained: the version it registered,
+    its promotion, and what its route serves afterwards."""
+
     model_name: str
     version: str = Field(description="The version this run registered.")
-    eval_mean_return: float = Field(description="Its greedy return on held-out episodes.")
     promoted: bool = Field(description="Whether it is the champion now.")
     promotion_reason: str
     shipped: bool = Field(description="Whether a rollout ran (and passed its gates).")
@@ -67,8 +69,12 @@ class PipelineResult(BaseModel):
     route_url: str | None = None
     rollout: RolloutResult | None = None
     model_version_url: str
-    sweep_flow_run_id: str | None = None
     dataset_fingerprint: str | None = None
+
+
+class PipelineResult(ShippedVersion):
+    eval_mean_return: float = Field(description="Its greedy return on held-out episodes.")
+    sweep_flow_run_id: str | None = None
 
 
 @task(cache_policy=NO_CACHE)

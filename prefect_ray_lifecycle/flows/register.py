@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field, field_validator
 
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry
-from prefect_ray_lifecycle.control.promotion import EvalProtocol
+from prefect_ray_lifecycle.control.promotion import EvalProtocol, Verdict
 from prefect_ray_lifecycle.tasks import charts, lineage
 from prefect_ray_lifecycle.tasks.params import Text
 from prefect_ray_lifecycle.tasks.register import (
@@ -101,6 +102,81 @@ class RegistrationResult(BaseModel):
     model_uri: str
 
 
+@dataclass(frozen=True)
+class RegistrationChart:
+    """A chart to log on a new version's MLflow run and show on the flow run."""
+
+    path: str
+    artifact_path: str  # on the version's run
+    kind: str  # the artifact key's start: "sweep-chart", "loss-chart"
+    label: str  # how the registration artifact links it
+    description: str
+
+
+def finish_registration(
+    server: MLflowServer,
+    registration: registry.Registration,
+    *,
+    model_name: str,
+    chart: RegistrationChart | None,
+    promotion: dict[str, Any],
+    experiment_path: str,
+    metadata: dict[str, Any],
+    served_on: str | None = None,
+    not_promoted: str = "not promoted",
+    lineage_kinds: dict[str, str] | None = None,
+    description: str = "MLflow registration and promotion verdict",
+) -> Verdict:
+    """What every registration does once its version exists: log its chart on the version's
+    run (never failing the flow: a broken chart is a warning), promote it or not
+    (tasks.register.promote with `promotion`: its protocol and margins), record it in the
+    lineage with the verdict, and say both in the `registration` artifact."""
+    version = registration.version
+    get_run_logger().info(
+        "%s %s v%s",
+        "Registered" if registration.created else "Already registered",
+        model_name,
+        version,
+    )
+    chart_url = None
+    if chart is not None:
+        chart_url = charts.publish_file(
+            chart.path,
+            server=server,
+            run_id=registration.run_id,
+            artifact_path=chart.artifact_path,
+            key=charts.artifact_key(chart.kind, model_name),
+            description=chart.description,
+        )
+    verdict = promote(server, model_name=model_name, version=version, **promotion)
+    lineage.record_model_version(
+        server,
+        model_name,
+        version,
+        experiment_path=experiment_path,
+        metadata={
+            **metadata,
+            "promoted": verdict.promote,
+            "reason": verdict.reason,
+            "model_uri": registration.model_uri,
+        },
+        **(lineage_kinds or {}),
+    )
+    place = f", served on `/{served_on}`" if served_on else ""
+    create_markdown_artifact(
+        key="registration",
+        markdown=(
+            f"**{model_name} v{version}** "
+            f"({'new' if registration.created else 'already registered'}){place}: "
+            f"{'promoted to champion' if verdict.promote else not_promoted}: "
+            f"{verdict.reason}\n\nModel: {lineage.model_version_url(server, model_name, version)}"
+            + (f"\n\n{chart.label}: [{chart.artifact_path}]({chart_url})" if chart_url else "")
+        ),
+        description=description,
+    )
+    return verdict
+
+
 @flow(name="register-and-promote")
 def register_and_promote(
     request: RegistrationRequest,
@@ -144,49 +220,27 @@ def register_and_promote(
     )
     if request.route:  # before the promotion: its champion move must find the route
         record_place(server, request.model_name, request.route, "policy")
-    chart_url = None
+    chart = None
     if request.sweep_chart:
-        # Never fails the flow: a missing or broken chart is a warning in the logs.
-        chart_url = charts.publish_file(
+        chart = RegistrationChart(
             request.sweep_chart,
-            server=server,
-            run_id=registration.run_id,
-            artifact_path=SWEEP_CHART_PATH,
-            key=charts.artifact_key("sweep-chart", request.model_name),
-            description=f"The Tune sweep behind {request.model_name} v{registration.version}",
+            SWEEP_CHART_PATH,
+            "sweep-chart",
+            "Sweep chart",
+            f"The Tune sweep behind {request.model_name} v{registration.version}",
         )
-    verdict = promote(
+    verdict = finish_registration(
         server,
+        registration,
         model_name=request.model_name,
-        version=registration.version,
-        protocol=protocol,
-        margin=margin,
-    )
-    lineage.record_model_version(
-        server,
-        request.model_name,
-        registration.version,
+        chart=chart,
+        promotion={"protocol": protocol, "margin": margin},
         experiment_path=request.experiment_path,
         metadata={
             "trial_id": request.trial_id,
             "eval_mean_return": evaluation.mean_return,
-            "promoted": verdict.promote,
-            "reason": verdict.reason,
-            "model_uri": registration.model_uri,
             "dataset_fingerprint": request.dataset_fingerprint,
         },
-    )
-    create_markdown_artifact(
-        key="registration",
-        markdown=(
-            f"**{request.model_name} v{registration.version}** "
-            f"({'new' if registration.created else 'already registered'}): "
-            f"{'promoted to champion' if verdict.promote else 'not promoted'}: "
-            f"{verdict.reason}\n\nModel: "
-            f"{lineage.model_version_url(server, request.model_name, registration.version)}"
-            + (f"\n\nSweep chart: [{SWEEP_CHART_PATH}]({chart_url})" if chart_url else "")
-        ),
-        description="MLflow registration and promotion verdict",
     )
     return RegistrationResult(
         model_name=request.model_name,

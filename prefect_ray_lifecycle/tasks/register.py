@@ -161,12 +161,6 @@ def register(
             observation_size=observation_size,
             create_model=create_model,
         )
-    get_run_logger().info(
-        "%s %s v%s",
-        "Registered" if result.created else "Already registered",
-        model_name,
-        result.version,
-    )
     return result
 
 

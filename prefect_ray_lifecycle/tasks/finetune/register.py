@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from prefect import get_run_logger
 from prefect.runtime import flow_run, task_run
 from prefect.utilities.urls import url_for
 
@@ -121,10 +120,4 @@ def register_llm(
             artifacts={"evaluation.json": evaluation.model_dump()},
             create_model=create_model,
         )
-    get_run_logger().info(
-        "%s %s v%s",
-        "Registered" if result.created else "Already registered",
-        model_name,
-        result.version,
-    )
     return result
