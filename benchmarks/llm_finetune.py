@@ -46,6 +46,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks._output import strict_json
+
 ARTICLE_PREEMPT_SHARE = 0.007  # the article's Spot reclaim: 0.7 % of the run's time lost
 SIDES = ("raw", "flow", "kill", "preempt")
 SHIP_ROUTE = "llm-bench"
@@ -424,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     kill_overhead = median["kill"] - median["flow"]
     preempt_overhead = median["preempt"] - median["flow"]
     print(
-        json.dumps(
+        strict_json(
             {
                 "rounds": args.rounds,
                 "steps": args.steps,

@@ -19,6 +19,7 @@ import time
 import uuid
 from typing import Any
 
+from benchmarks._output import strict_json
 from deployments.testing.load import ClosedLoop
 
 ROUTE = "soak"
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     with temporary_stack(ray_num_cpus=4, prefix="bench-soak-") as stack:
         with pointed_at(stack):
             result = run(stack, args.minutes, args.threads)
-    print(json.dumps(result))
+    print(strict_json(result))
     return 0
 
 

@@ -1,9 +1,10 @@
 """An LLM's lifecycle to its route, on the session's services: llm-train-and-ship with a Tune
 sweep of 2 trials (1 Train worker each, on 2 CPUs) registers its best trial as an LLM version
-with its route, kind and serving settings kept with the model; then a policy's champion is
-moved too, and reconcile, run as the champion-moved trigger runs it (with only the model's
-name), rolls each out on its own route: the LLM through vLLM on /llm-ship, the policy on
-/policy. One sweep, and no canary (first rollouts), to stay inside the suite's time."""
+with its route, kind and serving settings kept with the model, and rolls it out itself
+through vLLM on /llm-ship; then a policy's champion is moved too, and reconcile, run as the
+champion-moved trigger runs it (with only the model's name), finds each model's own route:
+the LLM's in sync, the policy rolled out on /policy. One sweep, and no canary (first
+rollouts), to stay inside the suite's time."""
 
 from __future__ import annotations
 
@@ -56,8 +57,8 @@ GATES = Gates(
 
 @pytest.fixture(scope="module")
 def shipped(stack, tmp_path_factory):
-    """llm-train-and-ship with a sweep, ship off: trained, registered, promoted (the model's
-    first version), nothing rolled out; the routes and models go at the end."""
+    """llm-train-and-ship with a sweep: trained, registered, promoted (the model's first
+    version) and rolled out by the pipeline; the routes and models go at the end."""
     work = tmp_path_factory.mktemp("ship")
     corpus.write_corpus(work / "corpus", 1500, seed=1)
     params = FineTuneParams(
@@ -81,7 +82,8 @@ def shipped(stack, tmp_path_factory):
             sweep=SWEEP,
             model_name=names["llm"],
             route=LLM_ROUTE,
-            ship=False,
+            ship=True,
+            gates=GATES,
             llm=LLM,
             serving=SERVING,
             ray_cluster=cluster,
@@ -118,7 +120,17 @@ def test_a_sweep_of_two_trials_on_two_cpus_registers_its_best_trial(stack, shipp
     assert version.tags["lifecycle.tune.trial_id"] == best.trial_id
     assert version.tags["lifecycle.train.checkpoint_step"] == str(sweep.best_step)
     assert result.promoted and result.promotion_reason.startswith("no champion yet")
-    assert not result.shipped and result.reason == "ship is false: no rollout"
+    # The pipeline rolled its version out itself (the route served nothing yet).
+    assert result.shipped and result.served_version == result.version, result.reason
+    assert result.rollout.outcome == "first_rollout" and result.rollout.route == LLM_ROUTE
+    assert result.route_url.endswith(f"/{LLM_ROUTE}")
+    # The ended rollout holds nothing: no record of it stays on the route's router (a first
+    # LLM rollout the router does not host left a bake record once, and the next reconcile
+    # took it for a rollout that died mid-bake).
+    with shipped["cluster"].connect():
+        router = serve_control.current_router(LLM_ROUTE)
+        serve_control.release()
+    assert router.live.version == result.version and router.rollout is None, router
     # The fine-tune moved the held-out figures (both measured the same way).
     before, after = result.base_evaluation, result.evaluation
     assert after.perplexity < before.perplexity and after.exact_match >= before.exact_match
@@ -127,7 +139,8 @@ def test_a_sweep_of_two_trials_on_two_cpus_registers_its_best_trial(stack, shipp
 def test_a_policy_and_an_llm_champion_each_reach_their_own_route(stack, shipped, checkpoints):
     names, cluster, server = shipped["names"], shipped["cluster"], shipped["server"]
     llm_version = shipped["result"].version
-    # The LLM's champion moved when it was registered; now a policy's moves too.
+    # The LLM's champion moved when it was registered and went out with the pipeline; now a
+    # policy's moves too.
     policy = register_and_promote(
         RegistrationRequest(
             model_name=names["policy"],
@@ -156,10 +169,14 @@ def test_a_policy_and_an_llm_champion_each_reach_their_own_route(stack, shipped,
             mlflow_server=server,
         ),
     }
-    for kind, version in (("llm", llm_version), ("policy", policy.version)):
-        assert runs[kind].action == "restored" and runs[kind].live == version, runs[kind]
-        assert runs[kind].rollout.outcome == "first_rollout"
-    assert runs["llm"].rollout.route == LLM_ROUTE and runs["policy"].rollout.route == POLICY_ROUTE
+    # Each found its model's own route from the model's tags: the LLM's already serves its
+    # champion; the policy's served nothing and gets its first rollout.
+    assert runs["llm"].action == "in_sync" and runs["llm"].live == llm_version, runs["llm"]
+    assert runs["llm"].rollout is None
+    policy_run = runs["policy"]
+    assert policy_run.action == "restored" and policy_run.live == policy.version, policy_run
+    assert policy_run.rollout.outcome == "first_rollout"
+    assert policy_run.rollout.route == POLICY_ROUTE
 
     base = f"http://127.0.0.1:{stack.serve_port}"
     answer = requests.post(

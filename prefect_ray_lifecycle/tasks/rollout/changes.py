@@ -61,6 +61,11 @@ def swap(ctx: RouteContext, candidate: Target, previous: Target | None) -> SwapR
     started = time.time()
     if previous is None and ctx.hosts(candidate):
         written, hosted = _host(ctx, ctx.config(live=candidate, inline_live=True), candidate)
+    elif previous is None:
+        # A first rollout the router does not host (an LLM with host_in_router off): nothing
+        # to bake against, so no bake record. One left here named its holder after the
+        # rollout ended, and the next reconcile took it for a rollout that died mid-bake.
+        written, hosted = ctx.write(ctx.config(live=candidate)), False
     else:
         config = ctx.config(
             live=candidate, previous=previous, rollout=ctx.record("bake", candidate.version)

@@ -68,6 +68,19 @@ def finish_interrupted(
             verdict={"verdict": "interrupted", "stage": interrupted.stage, "reason": reason},
             event=("recovered", {"stage": interrupted.stage, "action": "withdrawn"}),
         )
+    if router.previous is None:
+        # A bake record with nothing to roll back to (an earlier first rollout left one):
+        # the version keeps the route, and the record goes.
+        ctx.write(ctx.config(live=live, inline_live=router.inline_live))
+        reason = f"{why}; no earlier version to fall back to: v{live.version} keeps /{route}"
+        rollout.add("bake", "cleared", reason)
+        return rollout.finish(
+            "rebaked",
+            reason,
+            reason,
+            verdict={"verdict": "interrupted", "stage": interrupted.stage, "reason": reason},
+            event=("recovered", {"stage": interrupted.stage, "action": "kept"}),
+        )
     # Baked again from now, under this claim: the route's record names the new holder.
     since = time.time()
     ctx.write(ctx.config(live=live, previous=router.previous, rollout=ctx.record("bake", version)))
