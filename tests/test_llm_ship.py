@@ -1,10 +1,11 @@
 """An LLM's lifecycle to its route, on the session's services: llm-train-and-ship with a Tune
 sweep of 2 trials (1 Train worker each, on 2 CPUs) registers its best trial as an LLM version
-with its route, kind and serving settings kept with the model, and rolls it out itself
-through vLLM on /llm-ship; then a policy's champion is moved too, and reconcile, run as the
-champion-moved trigger runs it (with only the model's name), finds each model's own route:
-the LLM's in sync, the policy rolled out on /policy. One sweep, and no canary (first
-rollouts), to stay inside the suite's time."""
+with its route, kind and serving settings kept with the model; then a policy's champion is
+moved too, and reconcile, run as the champion-moved trigger runs it (with only the model's
+name), rolls each out on its own route: the LLM through vLLM on /llm-ship, the policy on
+/policy; a reconcile after that finds the LLM's route in sync. One sweep, and no canary
+(first rollouts), to stay inside the suite's time. (The pipeline's own rollout, `ship`, is
+train-and-ship's shipping step, run by test_pipeline_deployment.)"""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import requests
 from mlflow import MlflowClient
 
+from deployments.testing import drive
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.flows.llm_finetune import FineTuneParams
@@ -57,8 +59,8 @@ GATES = Gates(
 
 @pytest.fixture(scope="module")
 def shipped(stack, tmp_path_factory):
-    """llm-train-and-ship with a sweep: trained, registered, promoted (the model's first
-    version) and rolled out by the pipeline; the routes and models go at the end."""
+    """llm-train-and-ship with a sweep, ship off: trained, registered, promoted (the model's
+    first version), nothing rolled out; the routes and models go at the end."""
     work = tmp_path_factory.mktemp("ship")
     corpus.write_corpus(work / "corpus", 1500, seed=1)
     params = FineTuneParams(
@@ -82,8 +84,7 @@ def shipped(stack, tmp_path_factory):
             sweep=SWEEP,
             model_name=names["llm"],
             route=LLM_ROUTE,
-            ship=True,
-            gates=GATES,
+            ship=False,
             llm=LLM,
             serving=SERVING,
             ray_cluster=cluster,
@@ -120,17 +121,7 @@ def test_a_sweep_of_two_trials_on_two_cpus_registers_its_best_trial(stack, shipp
     assert version.tags["lifecycle.tune.trial_id"] == best.trial_id
     assert version.tags["lifecycle.train.checkpoint_step"] == str(sweep.best_step)
     assert result.promoted and result.promotion_reason.startswith("no champion yet")
-    # The pipeline rolled its version out itself (the route served nothing yet).
-    assert result.shipped and result.served_version == result.version, result.reason
-    assert result.rollout.outcome == "first_rollout" and result.rollout.route == LLM_ROUTE
-    assert result.route_url.endswith(f"/{LLM_ROUTE}")
-    # The ended rollout holds nothing: no record of it stays on the route's router (a first
-    # LLM rollout the router does not host left a bake record once, and the next reconcile
-    # took it for a rollout that died mid-bake).
-    with shipped["cluster"].connect():
-        router = serve_control.current_router(LLM_ROUTE)
-        serve_control.release()
-    assert router.live.version == result.version and router.rollout is None, router
+    assert not result.shipped and result.reason == "ship is false: no rollout"
     # The fine-tune moved the held-out figures (both measured the same way).
     before, after = result.base_evaluation, result.evaluation
     assert after.perplexity < before.perplexity and after.exact_match >= before.exact_match
@@ -139,8 +130,7 @@ def test_a_sweep_of_two_trials_on_two_cpus_registers_its_best_trial(stack, shipp
 def test_a_policy_and_an_llm_champion_each_reach_their_own_route(stack, shipped, checkpoints):
     names, cluster, server = shipped["names"], shipped["cluster"], shipped["server"]
     llm_version = shipped["result"].version
-    # The LLM's champion moved when it was registered and went out with the pipeline; now a
-    # policy's moves too.
+    # The LLM's champion moved when it was registered; now a policy's moves too.
     policy = register_and_promote(
         RegistrationRequest(
             model_name=names["policy"],
@@ -169,14 +159,36 @@ def test_a_policy_and_an_llm_champion_each_reach_their_own_route(stack, shipped,
             mlflow_server=server,
         ),
     }
-    # Each found its model's own route from the model's tags: the LLM's already serves its
-    # champion; the policy's served nothing and gets its first rollout.
-    assert runs["llm"].action == "in_sync" and runs["llm"].live == llm_version, runs["llm"]
-    assert runs["llm"].rollout is None
-    policy_run = runs["policy"]
-    assert policy_run.action == "restored" and policy_run.live == policy.version, policy_run
-    assert policy_run.rollout.outcome == "first_rollout"
-    assert policy_run.rollout.route == POLICY_ROUTE
+    for kind, version in (("llm", llm_version), ("policy", policy.version)):
+        assert runs[kind].action == "restored" and runs[kind].live == version, runs[kind]
+        assert runs[kind].rollout.outcome == "first_rollout"
+    assert runs["llm"].rollout.route == LLM_ROUTE and runs["policy"].rollout.route == POLICY_ROUTE
+    # The ended rollouts hold nothing: a later reconcile (the interval one, the next move)
+    # finds the LLM's route in sync. A first LLM rollout the router does not host left a bake
+    # record once, and the next reconcile took it for a rollout that died mid-bake.
+    with cluster.connect():
+        router = serve_control.current_router(LLM_ROUTE)
+        serve_control.release()
+    assert router.live.version == llm_version and router.rollout is None, router
+    again = reconcile(
+        model_name=names["llm"], gates=GATES, ray_cluster=cluster, mlflow_server=server
+    )
+    assert again.action == "in_sync" and again.live == llm_version and again.rollout is None
+    # A route that still carries such a record (left before the fix) is put right: the
+    # version keeps the route, nothing to fall back to, and the record goes.
+    with cluster.connect():
+        serve_control.start(cluster.serve_host, cluster.serve_port)
+        dead = drive.leave_record(LLM_ROUTE, "bake")
+        serve_control.release()
+    healed = reconcile(
+        model_name=names["llm"], gates=GATES, ray_cluster=cluster, mlflow_server=server
+    )
+    assert healed.action == "recovered" and healed.live == llm_version, healed
+    assert healed.rollout.outcome == "rebaked" and dead in healed.rollout.reason, healed.rollout
+    with cluster.connect():
+        router = serve_control.current_router(LLM_ROUTE)
+        serve_control.release()
+    assert router.live.version == llm_version and router.rollout is None, router
 
     base = f"http://127.0.0.1:{stack.serve_port}"
     answer = requests.post(

@@ -1,6 +1,7 @@
 """Driving a route by hand, for benchmarks and tests: hold it as a rollout does (its
 concurrency slot and its lease, renewed) and have its router serve a config of your own
-meanwhile (a shadow, a canary share, testers), then put the router back as it was.
+meanwhile (a shadow, a canary share, testers), then put the router back as it was; or leave
+its router as a rollout that died mid-stage left it.
 
 Needs this process connected to the route's Ray cluster, Serve's controller started, and a
 Prefect API (the route's concurrency limit)."""
@@ -12,7 +13,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["held"]
+__all__ = ["held", "leave_record"]
 
 
 @contextlib.contextmanager
@@ -22,15 +23,40 @@ def held(route: str, lease_s: float = 10.0, **fields: Any) -> Iterator[Any]:
     candidate's version are filled in). Yields the config served; restores the one before."""
     from prefect_ray_lifecycle.control import serve_control
     from prefect_ray_lifecycle.tasks.rollout.claim import hold_route
+
+    good, runtime_env, options = _router(route)
+    holder = str(uuid.uuid4())
+    with hold_route(route, holder, lease_s):
+        try:
+            yield serve_control.write_router(
+                route, _with_record(good, holder, fields), runtime_env, options
+            )
+        finally:
+            serve_control.write_router(route, good, runtime_env, options)
+
+
+def leave_record(route: str, stage: str) -> str:
+    """The route's router left as a rollout that died at `stage` leaves it: its current
+    config under the record of a holder that no longer runs (none holds the route). Returns
+    that holder."""
+    from prefect_ray_lifecycle.control import serve_control
+
+    good, runtime_env, options = _router(route)
+    holder = str(uuid.uuid4())
+    fields = {"rollout": {"stage": stage}}
+    serve_control.write_router(route, _with_record(good, holder, fields), runtime_env, options)
+    return holder
+
+
+def _router(route: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """The route's router config as served, with the runtime_env and options to write it."""
+    from prefect_ray_lifecycle.control import serve_control
     from prefect_ray_lifecycle.workloads.constants import ROUTER_DEPLOYMENT
-    from prefect_ray_lifecycle.workloads.serve.router_config import RolloutRecord, RouterConfig
 
     good = serve_control.current_router(route)
     if good is None or good.live is None:
         raise RuntimeError(f"route {route} serves nothing to hold")
-    app = serve_control.router_app_name(route)
-    config = serve_control.app_configs()[app]
-    runtime_env = config.get("runtime_env") or {}
+    config = serve_control.app_configs()[serve_control.router_app_name(route)]
     (deployment,) = [d for d in config["deployments"] if d["name"] == ROUTER_DEPLOYMENT]
     actor = deployment.get("ray_actor_options") or {}
     options = {
@@ -38,19 +64,18 @@ def held(route: str, lease_s: float = 10.0, **fields: Any) -> Iterator[Any]:
         "num_cpus": actor.get("num_cpus", 0.25),
         **({"num_gpus": actor["num_gpus"]} if actor.get("num_gpus") else {}),
     }
-    holder = str(uuid.uuid4())
-    with hold_route(route, holder, lease_s):
-        stage = dict(fields.pop("rollout", None) or {"stage": "canary"})
-        candidate = fields.get("candidate", good.candidate)
-        version = (candidate or good.live).version
-        record = RolloutRecord(holder, stage["stage"], version)
-        served = RouterConfig.parse(
-            {**good.as_dict(), **_plain(fields), "rollout": record.as_dict()}
-        )
-        try:
-            yield serve_control.write_router(route, served, runtime_env, options)
-        finally:
-            serve_control.write_router(route, good, runtime_env, options)
+    return good, config.get("runtime_env") or {}, options
+
+
+def _with_record(good: Any, holder: str, fields: dict[str, Any]) -> Any:
+    """`good` with `fields` replaced and a rollout record of `holder`."""
+    from prefect_ray_lifecycle.workloads.serve.router_config import RolloutRecord, RouterConfig
+
+    fields = dict(fields)
+    stage = dict(fields.pop("rollout", None) or {"stage": "canary"})
+    candidate = fields.get("candidate", good.candidate)
+    record = RolloutRecord(holder, stage["stage"], (candidate or good.live).version)
+    return RouterConfig.parse({**good.as_dict(), **_plain(fields), "rollout": record.as_dict()})
 
 
 def _plain(fields: dict[str, Any]) -> dict[str, Any]:
