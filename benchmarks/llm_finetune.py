@@ -19,8 +19,10 @@ Train's default 2 s throttles a loop that reports every step to one step per 2 s
 
 Each flow run also scores the base and its best checkpoint on the same 50 held-out prompts
 (`ppl_before`, `ppl_after`, `exact_match_before`, `exact_match_after`: medians over the
-undisturbed runs). Then the last undisturbed run's best checkpoint is registered as an LLM
-version (route, kind and serving settings kept with the model) on the deployments a user runs
+undisturbed runs); that scoring's time (its evaluate-llm task runs, `eval_s`) is left out of
+each flow run's time, since the raw script scores nothing. Then the last undisturbed run's
+best checkpoint is registered as an LLM version (route, kind and serving settings kept with
+the model) on the deployments a user runs
 (`deployments.setup`, `prefect deploy --all`, a process worker), `champion` is moved to it
 with MlflowClient, and `alias_to_live_s` is the time until the route answers with its
 X-Model-Version (webhook -> receiver -> Prefect event -> trigger -> reconcile -> a first LLM
@@ -314,6 +316,21 @@ def run_flow(stack, node, params, storage: Path, side: str, args) -> tuple[float
     return elapsed, result
 
 
+def evaluation_s(flow_run_id: str | None) -> float:
+    """Seconds a flow run spent in its held-out evaluations (its evaluate-llm task runs)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, TaskRunFilter, TaskRunFilterName
+
+    if flow_run_id is None:
+        return 0.0
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}),
+            task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="evaluate-llm")),
+        )
+    return sum(run.total_run_time.total_seconds() for run in runs)
+
+
 def evaluation_figures(results: list[Any]) -> dict[str, float | None]:
     """Medians of the held-out evaluations before and after, over the undisturbed runs."""
 
@@ -369,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     loads: dict[str, list[float]] = {side: [] for side in sides}
     outcomes: dict[str, list[Any]] = {side: [] for side in sides if side != "raw"}
     results: list[Any] = []  # the undisturbed flow runs' results (their evaluations)
+    # Seconds each flow run spent scoring the base and its best checkpoint: left out of its
+    # time (the raw script scores nothing), reported as eval_s.
+    evaluated: dict[str, list[float]] = {side: [] for side in sides if side != "raw"}
     alias_s = None
     with temporary_stack(args.head_cpus, prefix="bf-") as stack, pointed_at(stack):
         # The corpus is prepared once (data-prep caches it), outside the timing.
@@ -396,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         params = flow_params(source, prepared, base, storage, args)
                         elapsed, result = run_flow(stack, node, params, storage, side, args)
-                        times[side].append(elapsed)
+                        evaluated[side].append(evaluation_s(result.flow_run_id))
+                        times[side].append(elapsed - evaluated[side][-1])
                         outcomes[side].append(result.outcome)
                         if side == "flow":
                             results.append(result)
@@ -434,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                 "raw_s": round(median["raw"], 2),
                 "flow_s": round(median["flow"], 2),
                 "ratio": round(median["flow"] / median["raw"], 3),
+                "eval_s": round(statistics.median(evaluated["flow"]), 2),
                 "tokens_per_s": round(statistics.median(o.tokens_per_s for o in flows), 1),
                 "loss_before": round(statistics.median(o.base_eval_loss for o in flows), 3),
                 "loss_after": round(statistics.median(o.best_eval_loss for o in flows), 3),
