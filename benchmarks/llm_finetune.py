@@ -416,8 +416,9 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         params = flow_params(source, prepared, base, storage, args)
                         elapsed, result = run_flow(stack, node, params, storage, side, args)
-                        evaluated[side].append(evaluation_s(result.flow_run_id))
-                        times[side].append(elapsed - evaluated[side][-1])
+                        scoring_s = evaluation_s(result.flow_run_id)
+                        evaluated[side].append(scoring_s)
+                        times[side].append(elapsed - scoring_s)
                         outcomes[side].append(result.outcome)
                         if side == "flow":
                             results.append(result)

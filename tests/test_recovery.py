@@ -223,11 +223,9 @@ def interval_reconcile_converges(stack, lifecycle):
             return live(client) == "3" and done
 
         done = wait_for("the interval reconcile rolls v3 out", converged, timeout=240)
-        # The runs that did it came from the schedule, not from an event. The route watch's
-        # heartbeats come from the receiver too: about 30 s after it stopped, the watch ran a
-        # reconcile for the route (the only trigger that passes `route`), which is not this
-        # test's safety net and is left out (it completed in sync beside the scheduled run
-        # once on a busy machine and failed the check).
+        # The runs that did it came from the schedule, not from an event. Left out above: the
+        # route watch's reconcile (the only trigger that passes `route`), which a receiver
+        # outage also starts, since the receiver sends the routes' heartbeats.
         assert all(r.auto_scheduled and "model_name" not in r.parameters for r in done)
     finally:
         prefect.update_deployment_schedule(deployment.id, schedule.id, active=False)
