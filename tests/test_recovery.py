@@ -7,8 +7,9 @@
   itself when its lease lapses, and a reconcile that the Crashed run starts (an automation)
   withdraws it and rolls the champion out again; killed again in its bake, the next reconcile
   bakes it again and finishes it;
-- with the receiver down, the interval reconcile still converges.
-Load runs through the router the whole time, and no answer may fail."""
+- with the receiver down (the champion move's delivery lost), a run of the interval schedule
+  rolls the champion out.
+Load runs through the router in the first test, and no answer may fail."""
 
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ from deployments.testing.watch import (
     wait_for,
 )
 from prefect_ray_lifecycle.control import registry, serve_control
+from prefect_ray_lifecycle.tasks.rollout.claim import run_and_subflows
 
 MODEL = "cartpole-ppo"  # the model prefect.yaml's reconcile trigger watches
 ROUTE = "policy"  # the deployments' default route
+ROUTE_WATCH = "reconcile-a-route-that-stopped-answering"  # prefect.yaml's trigger
 LEASE_S = 5.0
 GATES = {
     "health_timeout_s": 120,
@@ -59,11 +62,23 @@ pytestmark = pytest.mark.slow
 
 
 @contextlib.contextmanager
-def worker_log_on_failure(stack):
-    """On a failure, the worker's log (the flow runs' own output) is the first thing to read."""
+def worker_log_on_failure(stack, prefect=None):
+    """On a failure, the worker's log (the flow runs' own output) is the first thing to read,
+    then the reconcile runs that left Scheduled (what started each, how each ended)."""
     try:
         yield
     except BaseException:
+        for run in runs(prefect) if prefect is not None else ():
+            if run.state.name != "Scheduled":
+                print(
+                    "reconcile run",
+                    run.name,
+                    run.created,
+                    run.state.name,
+                    run.auto_scheduled,
+                    sorted(run.parameters),
+                    (run.state.message or "")[:120],
+                )
         log = stack.state_dir / "logs" / "worker.log"
         if log.exists():
             print("---- worker log (tail) ----")
@@ -192,7 +207,7 @@ def moved_champion_survives_killed_rollouts(lifecycle):
 
 
 def test_with_the_receiver_down_the_interval_reconcile_still_converges(stack, lifecycle):
-    with worker_log_on_failure(stack):
+    with worker_log_on_failure(stack, lifecycle["prefect"]):
         interval_reconcile_converges(stack, lifecycle)
 
 
@@ -200,9 +215,23 @@ def interval_reconcile_converges(stack, lifecycle):
     from prefect.client.schemas.schedules import IntervalSchedule
 
     client, prefect = lifecycle["client"], lifecycle["prefect"]
+    # The first test's kills leave reconciles queued: each kill crashes a reconcile run and its
+    # serve-rollout subflow, and each Crashed run starts one. Left queued, one of them rolled
+    # v3 out here before the schedule made a run (seen with the machine busy), so they end
+    # first: none may do the schedule's work.
+    wait_for(
+        "the reconciles the kills started end",
+        lambda: all(r.state.is_final() for r in runs(prefect)),
+        timeout=300,
+    )
     receiver = stack.service("receiver")
     deployment = prefect.read_deployment_by_name("reconcile/reconcile")
     (schedule,) = prefect.read_deployment_schedules(deployment.id)
+    # The route watch's heartbeats come from the receiver too: with it down, the watch runs a
+    # reconcile for the route ~30 s later (a second safety net). Paused here: this test is
+    # about the schedule.
+    (watch,) = prefect.read_automations_by_name(ROUTE_WATCH)
+    prefect.pause_automation(watch.id)
     local.stop(receiver)
     try:
         client.set_registered_model_alias(MODEL, registry.CHAMPION, "3")  # delivery fails
@@ -214,19 +243,29 @@ def interval_reconcile_converges(stack, lifecycle):
             schedule=IntervalSchedule(interval=timedelta(seconds=5)),
         )
 
-        def converged():
-            done = [
-                r
-                for r in runs(prefect, turned_on)
-                if r.state.is_completed() and "route" not in r.parameters
-            ]
-            return live(client) == "3" and done
+        def rolled_v3_out():
+            if live(client) != "3":
+                return None
+            done = [r for r in runs(prefect, turned_on) if r.state.is_completed()]
+            return [r for r in done if rolled_out(prefect, r, "3")]
 
-        done = wait_for("the interval reconcile rolls v3 out", converged, timeout=240)
-        # The runs that did it came from the schedule, not from an event. Left out above: the
-        # route watch's reconcile (the only trigger that passes `route`), which a receiver
-        # outage also starts, since the receiver sends the routes' heartbeats.
-        assert all(r.auto_scheduled and "model_name" not in r.parameters for r in done)
+        (run,) = wait_for("the interval reconcile rolls v3 out", rolled_v3_out, timeout=240)
+        # The run that did it came from the schedule, not from an event.
+        assert run.auto_scheduled, run
+        assert "model_name" not in run.parameters, run.parameters
     finally:
         prefect.update_deployment_schedule(deployment.id, schedule.id, active=False)
+        prefect.resume_automation(watch.id)
         local.start(receiver)
+
+
+def rolled_out(prefect, run, version: str) -> bool:
+    """Whether reconcile run `run` rolled `version` out: a completed serve-rollout subflow of
+    it (a run that found the route in sync has none)."""
+    return any(
+        r.id != run.id
+        and prefect.read_flow(r.flow_id).name == "serve-rollout"
+        and str(r.parameters.get("version")) == version
+        and r.state.is_completed()
+        for r in run_and_subflows(prefect, run.id)
+    )
