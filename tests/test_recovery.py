@@ -62,13 +62,13 @@ pytestmark = pytest.mark.slow
 
 
 @contextlib.contextmanager
-def worker_log_on_failure(stack, prefect=None):
+def worker_log_on_failure(stack, prefect):
     """On a failure, the worker's log (the flow runs' own output) is the first thing to read,
     then the reconcile runs that left Scheduled (what started each, how each ended)."""
     try:
         yield
     except BaseException:
-        for run in runs(prefect) if prefect is not None else ():
+        for run in runs(prefect):
             if run.state.name != "Scheduled":
                 print(
                     "reconcile run",
@@ -144,7 +144,7 @@ def recovered_events(prefect_client, version: str) -> list:
 
 
 def test_a_moved_champion_reaches_the_route_and_survives_killed_rollouts(stack, lifecycle):
-    with worker_log_on_failure(stack):
+    with worker_log_on_failure(stack, lifecycle["prefect"]):
         moved_champion_survives_killed_rollouts(lifecycle)
 
 
@@ -216,9 +216,9 @@ def interval_reconcile_converges(stack, lifecycle):
 
     client, prefect = lifecycle["client"], lifecycle["prefect"]
     # The first test's kills leave reconciles queued: each kill crashes a reconcile run and its
-    # serve-rollout subflow, and each Crashed run starts one. Left queued, one of them rolled
-    # v3 out here before the schedule made a run (seen with the machine busy), so they end
-    # first: none may do the schedule's work.
+    # serve-rollout subflow, and each Crashed run starts one. Left queued, one of them got the
+    # slot ahead of the schedule's runs and rolled v3 out (seen with the machine busy), so they
+    # end first: none may do the schedule's work.
     wait_for(
         "the reconciles the kills started end",
         lambda: all(r.state.is_final() for r in runs(prefect)),
@@ -243,11 +243,19 @@ def interval_reconcile_converges(stack, lifecycle):
             schedule=IntervalSchedule(interval=timedelta(seconds=5)),
         )
 
+        in_sync: set = set()  # completed runs without v3's rollout: never read again
+
         def rolled_v3_out():
             if live(client) != "3":
                 return None
-            done = [r for r in runs(prefect, turned_on) if r.state.is_completed()]
-            return [r for r in done if rolled_out(prefect, r, "3")]
+            done = [
+                r
+                for r in runs(prefect, turned_on)
+                if r.state.is_completed() and r.id not in in_sync
+            ]
+            found = [r for r in done if rolled_out(prefect, r, "3")]
+            in_sync.update(r.id for r in done if r not in found)
+            return found
 
         (run,) = wait_for("the interval reconcile rolls v3 out", rolled_v3_out, timeout=240)
         # The run that did it came from the schedule, not from an event.
