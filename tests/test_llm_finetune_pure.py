@@ -6,6 +6,7 @@ flow's described parameters."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from pydantic import ValidationError
@@ -32,6 +33,7 @@ from prefect_ray_lifecycle.workloads.llm.train.history import (
 from prefect_ray_lifecycle.workloads.llm.train.preemption import (
     effective_deadline_s,
     jit_verdict,
+    steps_between_checks,
 )
 from prefect_ray_lifecycle.workloads.llm.train.recorder import HistoryRecorder
 from prefect_ray_lifecycle.workloads.llm.train.schedule import WarmupCosine
@@ -65,6 +67,14 @@ def test_the_jit_checkpoint_waits_for_the_last_safe_step():
     assert effective_deadline_s(1_700_000_012_000, 1_700_000_000.0) == 1_700_000_012.0
     # No deadline in the drain: Ray Train restarts 120 s after it first saw the notice.
     assert effective_deadline_s(None, 1_000.0) == 1_120.0
+
+
+def test_the_loop_asks_about_a_preemption_once_per_poll_interval_and_at_least_every_step():
+    assert steps_between_checks(1.0, 0.25) == 4  # a poll's worth of steps
+    assert steps_between_checks(5.0, 0.3) == 16
+    assert steps_between_checks(1.0, 3.0) == 1  # steps slower than a poll: every step
+    # Nothing measured yet (the first step), or nonsense: ask at the next step.
+    assert [steps_between_checks(1.0, s) for s in (None, 0.0, -1.0, math.nan)] == [1] * 4
 
 
 def step(n: int, attempt: str, **fields) -> dict:

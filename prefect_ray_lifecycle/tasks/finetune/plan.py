@@ -126,6 +126,7 @@ def plan_finetune(
             text_columns=text_columns,
             torch_threads=resources.torch_threads(),
             preemption_grace_s=failures.preemption_grace_s,
+            preemption_poll_s=failures.preemption_poll_s,
         ),
         resources=resources,
         failures=failures,

@@ -4,9 +4,11 @@ held-out eval loss, checkpoints that are Hugging Face folders, and a just-in-tim
 when a node of the run is being preempted.
 
 Every step ends with the same collectives on every rank, in the same order: Ray Train's
-`get_preemption_info` (a barrier that hands out rank 0's view), one all-reduce of the step's
-figures and of each rank's wish to checkpoint now (so all ranks agree), then a report. Only
-rank 0's report is kept (the history and the checkpoint's metrics)."""
+`get_preemption_info` (a barrier that hands out rank 0's view) on the steps every rank agreed
+to ask on (about once per poll interval of Ray Train's watcher until a preemption is seen,
+then every step; see preemption.steps_between_checks), one all-reduce of the step's figures
+and of each rank's wish to checkpoint now (so all ranks agree), then a report. Only rank 0's
+report is kept (the history and the checkpoint's metrics)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from prefect_ray_lifecycle.workloads.llm.models import local_model
 from prefect_ray_lifecycle.workloads.llm.train.preemption import (
     effective_deadline_s,
     jit_verdict,
+    steps_between_checks,
 )
 from prefect_ray_lifecycle.workloads.llm.train.schedule import WarmupCosine
 from prefect_ray_lifecycle.workloads.llm.train.settings import CHECKPOINT_METRIC, TrainSpec
@@ -161,6 +164,9 @@ class _WorkerRun:
         self.preemption: dict[str, Any] | None = None
         self.deadline_s: float | None = None
         self.jit_taken = False
+        # The step this attempt next asks Ray Train about a preemption at (the same on every
+        # rank: it is set from figures all ranks agreed on).
+        self.next_check = self.state.step + 1
         # Fields of this attempt's first record: where each rank runs, what it resumed from.
         self.first_fields: dict[str, Any] = {"worker_nodes": self._gather(_node_id())}
         if self.resumed_from is not None:
@@ -379,16 +385,23 @@ class _WorkerRun:
             lr = self.scheduler.get_last_lr()[0]
             self.state.step += 1
             record: dict[str, Any] = {}
-            wants_jit = self._watch_preemption(record)
-            loss_sum, predicted, tokens, jit, repeated, reread = self._agree(
+            asked = self.preemption is not None or self.state.step >= self.next_check
+            wants_jit = asked and self._watch_preemption(record)
+            loss_sum, predicted, tokens, jit, repeated, reread, ranks_s = self._agree(
                 loss_sum,
                 predicted,
                 tokens,
                 float(wants_jit),
                 self.batches.repeated,
                 self.batches.reread,
+                time.monotonic() - started,
             )
             self.batches.repeated = self.batches.reread = 0
+            if asked:
+                poll_s = self.spec.preemption_poll_s
+                self.next_check = self.state.step + steps_between_checks(
+                    poll_s, ranks_s / self.world
+                )
             elapsed = time.monotonic() - started
             self.step_s = (
                 elapsed

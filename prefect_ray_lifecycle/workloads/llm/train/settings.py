@@ -244,3 +244,5 @@ class TrainSpec(BaseModel):
     torch_threads: int = 1
     use_gpu: bool = False
     preemption_grace_s: float = 0.0
+    # Ray Train's watcher polls for drained nodes this often; the loop asks about as often.
+    preemption_poll_s: float = 5.0
