@@ -36,3 +36,12 @@ def prefect_api() -> Iterator[str]:
         os.environ.pop("PREFECT_API_URL", None)
         local.stop(service)
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def task_runs_named(client, flow_run_id: str, prefix: str) -> list:
+    """`flow_run_id`'s task runs whose name starts with `prefix` (Prefect names a task run
+    after its task, with a suffix): what a benchmark reads its phases' times from."""
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
+    return [run for run in runs if run.name.startswith(prefix)]

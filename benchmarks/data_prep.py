@@ -125,15 +125,15 @@ def prepare_task_span(flow_run_id, timeout: float = 20.0) -> tuple[float, float]
     """Start and end (epoch seconds) of the flow run's prepare_dataset task run; Prefect
     records task runs from events, so they may land a moment after the flow returns."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter
 
+    from benchmarks._prefect import task_runs_named
     from deployments.testing.watch import wait_for
 
     with get_client(sync_client=True) as client:
 
         def finished() -> list:
-            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
-            return [r for r in runs if r.name.startswith("prepare_dataset") and r.end_time]
+            runs = task_runs_named(client, flow_run_id, "prepare_dataset")
+            return [r for r in runs if r.end_time]
 
         (run,) = wait_for("the prepare_dataset task run is recorded", finished, timeout, 0.5)
     return run.start_time.timestamp(), run.end_time.timestamp()

@@ -87,8 +87,8 @@ def run_raw(storage: Path, num_cpus: int, iterations: int, via_block: bool = Fal
 def run_flow_stages(storage: Path, num_cpus: int, iterations: int) -> dict[str, float]:
     """The flow's wall time, split at its sweep task run's start and end."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter
 
+    from benchmarks._prefect import task_runs_named
     from prefect_ray_lifecycle.blocks import RayCluster
     from prefect_ray_lifecycle.flows.tune_sweep import tune_sweep
 
@@ -106,10 +106,7 @@ def run_flow_stages(storage: Path, num_cpus: int, iterations: int) -> dict[str, 
     assert len(result.trials) == TRIALS
     assert {t.iterations for t in result.trials} == {iterations}
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id={"any_": [result.metrics["flow_run_id"]]})
-        )
-    (sweep_run,) = [r for r in runs if r.name.startswith("run-tune-sweep")]
+        (sweep_run,) = task_runs_named(client, result.metrics["flow_run_id"], "run-tune-sweep")
     task_start = sweep_run.start_time.timestamp()
     task_end = sweep_run.end_time.timestamp()
     return {

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -84,6 +88,50 @@ def test_the_runner_used_outside_any_flow_run_over_ray_client_runs_its_task(stac
         logger.removeHandler(handler)
     assert doubled == 42 and node  # it ran in a Ray worker of the cluster
     assert [record.getMessage() for record in said] == [RAY_CLIENT_LIMITS]
+
+
+CONNECT = """
+import logging
+import sys
+
+import ray
+from ray.util.client_connect import connect
+
+# The client retries a refused ping until it gives up with a bare "connection timeout"; the
+# server's reason is in its debug log ("Received when checking init: ...").
+logging.basicConfig(stream=sys.stderr)
+logging.getLogger("ray.util.client.worker").setLevel(logging.DEBUG)
+connect(sys.argv[1].removeprefix("ray://"), connection_retries=1)
+print("connected", ray.cluster_resources()["CPU"])
+"""
+
+
+def client_without(stack, token: str | None, home) -> subprocess.CompletedProcess:
+    """A plain Ray Client connection to the head's client server from a fresh process: with
+    `token` sent as the cluster's (token auth on), or none at all (no auth mode, no token
+    anywhere: an empty HOME, so no ~/.ray token file either)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0")
+    if token is not None:
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    argv = [sys.executable, "-c", CONNECT, stack.ray_client_address]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_the_client_server_refuses_a_client_without_the_clusters_token(stack, tmp_path):
+    """docs/clusters.md: the client server listens on every interface and refuses clients
+    without the cluster's token. The same connection with the token is the control."""
+    allowed = client_without(stack, stack.ray_token, tmp_path)
+    assert allowed.returncode == 0 and "connected" in allowed.stdout, allowed.stderr[-2000:]
+    for token in (None, "not-" + stack.ray_token):
+        refused = client_without(stack, token, tmp_path)
+        assert refused.returncode != 0, (token, refused.stdout)
+        assert "connected" not in refused.stdout
+        reasons = re.findall(r"Received when checking init: (.*)", refused.stderr)
+        assert reasons and all(re.search(r"(?i)auth|token", r) for r in reasons), (
+            token,
+            refused.stderr[-2000:],
+        )
 
 
 def client_cluster(stack) -> RayCluster:
