@@ -41,6 +41,8 @@ RECEIVER_HEALTH_PATH = "/health"
 # event of that kind would be skipped for up to a minute.
 MLFLOW_WEBHOOK_CACHE_TTL_S = 1
 RAY_DASHBOARD_PORT = 8265
+# The head's limit on workers before idle ones are killed (Ray's default: its CPUs).
+WORKERS_SOFT_LIMIT_ENV, WORKERS_SOFT_LIMIT = "RAY_num_workers_soft_limit", "32"
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 15.0
 
@@ -156,6 +158,11 @@ class Service:
         self.ray_token()
         env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token")
         env.setdefault(GCS_PORT_WAIT_ENV, GCS_PORT_WAIT_S)
+        # Ray kills an idle worker after 1 s once the node has more workers than CPUs, and a
+        # one-node head with Serve already does (controller, proxy, routers, versions): every
+        # Serve app build (one per version rolled out) then started a fresh worker that
+        # imported Ray, Serve and the app again, ~1 CPU-s each. Kept idle, they are reused.
+        env.setdefault(WORKERS_SOFT_LIMIT_ENV, WORKERS_SOFT_LIMIT)
         env["RAY_AUTH_TOKEN_PATH"] = str(self.ray_token_file)
         env.pop("RAY_AUTH_TOKEN", None)  # a client's token in this shell is not the head's
         argv = [str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address", HOST]
