@@ -164,11 +164,12 @@ def moved_champion_survives_killed_rollouts(lifecycle):
         moved = time.time()
         client.set_registered_model_alias(MODEL, registry.CHAMPION, "2")
         canary_run = started(prefect, moved)
-        wait_for(
+        held = wait_for(
             "the canary sends v2 traffic",
-            lambda: router_status(port)["candidate_share"] > 0,
+            lambda: (status := router_status(port))["candidate_share"] > 0 and status,
             timeout=240,
         )
+        assert held["serving"] == "as configured" and held["lease"]["held"], held["lease"]
         killed = kill_flow_run(prefect, canary_run.id)
         # The route takes the canary back by itself once the dead run's lease lapses.
         safe = wait_for(
@@ -177,7 +178,9 @@ def moved_champion_survives_killed_rollouts(lifecycle):
             timeout=LEASE_S + 10,
         )
         assert safe - killed <= LEASE_S + 2
-        assert router_status(port)["lease"]["lapsed"] is True
+        lapsed = router_status(port)
+        assert lapsed["lease"]["lapsed"] is True
+        assert lapsed["serving"] == "live only: the rollout's lease is not held", lapsed
         # The Crashed run starts a reconcile (an automation): it withdraws v2, then rolls the
         # champion out again. Killed in its bake, it is baked again by the next one.
         bake_run = started(prefect, killed, skip=(canary_run.id, first.id))

@@ -471,6 +471,94 @@ def test_reconcile_rolls_out_a_manual_champion_and_otherwise_does_nothing(servin
     assert reconcile(**common).action == "in_sync"
 
 
+def test_mlflow_down_at_the_swap_undoes_it_and_the_next_reconcile_rolls_the_champion_out(
+    serving, checkpoints, tmp_path, monkeypatch
+):
+    """The router moves first, then `live`; when `live` cannot follow (MLflow down past the
+    task's retries), the swap is undone: the router and `live` name the same version again,
+    no user saw an error, and the next reconcile (MLflow back) rolls the champion out. An
+    MLflow server of its own, so the session's stays up."""
+    from deployments import local
+    from prefect_ray_lifecycle.tasks.rollout.record import record
+
+    (port,) = local.free_ports(1)
+    (service,) = local.services(tmp_path / "mlflow-swap", {"mlflow": port}, ("mlflow",))
+    assert local.start(service).startswith("started")
+    route, name = "swap-outage-test", f"swap-{uuid.uuid4().hex[:6]}"
+    client = MlflowClient(service.url)
+    for trial in range(2):
+        registry.register_checkpoint(
+            client,
+            name=name,
+            checkpoint=checkpoints["good"],
+            experiment_name="swap-outage",
+            trial_key_value=f"{name}-{trial}",
+            observation_size=4,
+        )
+    server = MLflowServer(tracking_uri=service.url, request_retries=0)
+    common = dict(model_name=name, route=route, serving=SERVING, ray_cluster=serving["cluster"])
+    # One quick retry of the swap's MLflow write instead of two minutes of them: what is
+    # tested is what follows once they are used up.
+    monkeypatch.setattr(record, "retries", 1)
+    monkeypatch.setattr(record, "retry_delay_seconds", [1])
+
+    def router() -> dict:
+        return requests.get(
+            f"http://127.0.0.1:{serving['port']}/{route}/-/status", timeout=30
+        ).json()
+
+    try:
+        first = serve_rollout(version="1", gates=fast_gates(), mlflow_server=server, **common)
+        assert first.outcome == "first_rollout"
+        client.set_registered_model_alias(name, registry.CHAMPION, "2")
+        outcome: list = []
+        held = fast_gates(canary_hold_s=10)  # time to stop MLflow while it holds
+        with ClosedLoop(serving["port"], f"/{route}", pause_s=LOAD_PAUSE_S) as traffic:
+            rolling = threading.Thread(
+                target=contextvars.copy_context().run,
+                args=(
+                    lambda: outcome.append(
+                        serve_rollout(
+                            version="2",
+                            gates=held,
+                            mlflow_server=server,
+                            return_state=True,
+                            **common,
+                        )
+                    ),
+                ),
+            )
+            rolling.start()
+            wait_for_share = time.monotonic() + 120
+            while router()["candidate_share"] == 0:
+                assert rolling.is_alive() and time.monotonic() < wait_for_share, outcome
+                time.sleep(0.25)
+            local.stop(service)
+            rolling.join(timeout=180)
+        (state,) = outcome
+        assert state.is_failed() and "`live` could not be moved" in state.message, state.message
+        assert "back on v1" in state.message
+        status = router()
+        assert status["config"]["live"]["version"] == "1", status["config"]
+        assert status["config"]["candidate"] is None and status["config"]["rollout"] is None
+        assert not serve_control.app_exists(serve_control.version_app_name(name, "2"))
+        assert traffic.failed() == [], traffic.failed()[:3]
+        assert traffic.answers[-1].version == "1"
+
+        assert local.start(service).startswith("started")
+        assert registry.resolve_alias(client, name, registry.LIVE).version == "1"  # never moved
+        with ClosedLoop(serving["port"], f"/{route}", pause_s=LOAD_PAUSE_S) as traffic:
+            healed = reconcile(gates=fast_gates(), mlflow_server=server, **common)
+        assert healed.action == "rolled_out" and healed.live == "2", healed
+        assert traffic.failed() == [] and traffic.answers[-1].version == "2"
+        assert registry.resolve_alias(client, name, registry.LIVE).version == "2"
+        assert router()["config"]["live"]["version"] == "2"
+    finally:
+        local.start(service)
+        serve_control.delete_route(route, name)
+        local.stop(service)
+
+
 def test_the_status_command_says_what_the_router_and_mlflow_say(serving, capsys):
     """`python -m deployments.status --json` gives the router's own `-/status` (live version,
     candidate, weight, served share, lease), MLflow's aliases and last rollout verdicts, and

@@ -27,6 +27,7 @@ from prefect_ray_lifecycle.tasks.rollout.claim import hold_route, route_holder
 from prefect_ray_lifecycle.tasks.rollout.config import Drill, Gates, LLMServing, Serving
 from prefect_ray_lifecycle.tasks.rollout.gates import deploy_candidate, smoke
 from prefect_ray_lifecycle.tasks.rollout.rollout import (
+    LiveNotRecorded,
     Rollout,
     RolloutFailed,
     RolloutResult,
@@ -35,7 +36,7 @@ from prefect_ray_lifecycle.tasks.rollout.rollout import (
 )
 from prefect_ray_lifecycle.workloads.serve.router_config import TargetKind
 
-__all__ = ["RolloutFailed", "RolloutResult", "serve_rollout"]
+__all__ = ["LiveNotRecorded", "RolloutFailed", "RolloutResult", "serve_rollout"]
 
 
 @flow(name="serve-rollout", log_prints=True)
@@ -146,17 +147,13 @@ def _roll_out(rollout: Rollout, drill: Drill) -> RolloutResult:
         if live is None:
             swapped = swap(r.ctx, candidate, None)
             r.add("router", "created", f"/{route} serves v{version}", swapped.figures())
+            reason = "first rollout: health and smoke gates passed"
+            r.move_live("promoted", reason)
             return r.finish(
                 "first_rollout",
                 "first rollout",
                 f"v{version} serves /{route} (first rollout)",
-                verdict={
-                    "verdict": "promoted",
-                    "app": candidate.app,
-                    "reason": "first rollout: health and smoke gates passed",
-                },
-                move_live_to=version,
-                live_reason=f"first rollout on /{route}",
+                verdict={"verdict": "promoted", "app": candidate.app, "reason": reason},
                 event=("promoted", {"first": True, "url": r.url}),
             )
         r.shadow()
@@ -164,6 +161,8 @@ def _roll_out(rollout: Rollout, drill: Drill) -> RolloutResult:
     except GateFailed as failure:
         withdraw(r.ctx, live, candidate.app)
         r.fail(failure, "rejected", live)
+    except LiveNotRecorded:  # the swap undid itself
+        raise
     except BaseException:
         best_effort(withdraw, r.ctx, live, candidate.app)
         raise

@@ -25,6 +25,7 @@ __all__ = [
     "retire",
     "rollback",
     "swap",
+    "take_back",
     "withdraw",
 ]
 
@@ -124,6 +125,15 @@ def rollback(ctx: RouteContext, previous: Target, candidate_app: str) -> Rollbac
     seconds = time.time() - started
     serve_control.apply(deletes={candidate_app})
     return RollbackResult(seconds=round(seconds, 2))
+
+
+@rollout_stage
+def take_back(ctx: RouteContext, candidate_app: str) -> WithdrawResult:
+    """A first rollout undone after its swap: the route's router and the version's app go,
+    and the route serves nothing, as before it (its state actor, which this rollout's claim
+    lives in, stays)."""
+    serve_control.apply(deletes={serve_control.router_app_name(ctx.route), candidate_app})
+    return WithdrawResult(deleted=candidate_app)
 
 
 @rollout_stage

@@ -22,13 +22,14 @@ from prefect_ray_lifecycle.control.canary import GateFailed
 from prefect_ray_lifecycle.tasks.rollout import StageResult
 from prefect_ray_lifecycle.tasks.rollout.approval import ask
 from prefect_ray_lifecycle.tasks.rollout.apps import RouteContext, version_app
-from prefect_ray_lifecycle.tasks.rollout.changes import inject, retire, rollback, swap
+from prefect_ray_lifecycle.tasks.rollout.changes import inject, retire, rollback, swap, take_back
 from prefect_ray_lifecycle.tasks.rollout.config import Gates, LLMServing, Serving
 from prefect_ray_lifecycle.tasks.rollout.gates import bake, canary_step, shadow, shadow_tags
 from prefect_ray_lifecycle.tasks.rollout.record import Timeline, emit, record
 from prefect_ray_lifecycle.workloads.serve.router_config import Target, TargetKind
 
 __all__ = [
+    "LiveNotRecorded",
     "Outcome",
     "Rollout",
     "RolloutFailed",
@@ -42,6 +43,12 @@ Outcome = Literal["promoted", "first_rollout", "already_live", "withdrawn", "reb
 
 class RolloutFailed(RuntimeError):
     """The candidate was rejected or rolled back; the live version kept serving."""
+
+
+class LiveNotRecorded(RuntimeError):
+    """The router was swapped but MLflow's `live` alias could not be moved to match (MLflow
+    unreachable past the task's retries): the swap was undone, so the route serves what `live`
+    names; the candidate was not judged, and the next reconcile rolls the champion out again."""
 
 
 class RolloutResult(BaseModel):
@@ -310,18 +317,40 @@ class Rollout:
             emit(event[0], self.model_name, self.version, self.route, event[1])
         self.timeline.publish(decision, chart=chart)
 
+    def move_live(self, verdict: str, reason: str) -> None:
+        """After the swap, `live` follows the router. The router moves first (users must get
+        the new version before MLflow says they do), and when `live` cannot follow, the swap is
+        undone: the route goes back to what it served (nothing, for a first rollout), so the
+        router and `live` never name different versions once this run has ended."""
+        try:
+            record(
+                self.server,
+                self.model_name,
+                self.version,
+                {**self.tags, "verdict": verdict, "route": self.route, "app": self.candidate.app},
+                move_live_to=self.version,
+                reason=reason,
+            )
+        except BaseException as error:
+            if self.live is None:
+                best_effort(take_back, self.ctx, self.candidate.app)
+                back = "the route serves nothing again, as before this first rollout"
+            else:
+                best_effort(rollback, self.ctx, self.live, self.candidate.app)
+                back = f"/{self.route} is back on v{self.live.version}"
+            message = (
+                f"v{self.version} was swapped in on /{self.route}, but MLflow's `live` could "
+                f"not be moved to it ({type(error).__name__}: {error}): the swap is undone and "
+                f"{back}; the next reconcile rolls the champion out again"
+            )
+            get_run_logger().error(message)
+            raise LiveNotRecorded(message) from error
+
     def swap_then_bake(self, after_swap: dict[str, Any] | None = None) -> RolloutResult:
         """The swap (`live` follows the router, before the bake decides), a drill's faults
         on the new version when asked, then the bake and what follows it."""
         swapped = swap(self.ctx, self.candidate, self.live)
-        record(
-            self.server,
-            self.model_name,
-            self.version,
-            {**self.tags, "verdict": "swapped", "route": self.route, "app": self.candidate.app},
-            move_live_to=self.version,
-            reason="passed health, smoke and canary gates",
-        )
+        self.move_live("swapped", "passed health, smoke and canary gates")
         self.add(
             "swap",
             "done",
