@@ -10,6 +10,7 @@ themselves start an embedded Ray when their RayCluster block has no address.
 from __future__ import annotations
 
 import argparse
+import atexit
 import base64
 import contextlib
 import json
@@ -20,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -208,10 +210,70 @@ def _state_secret(path: Path, make: Callable[[], str]) -> str:
     return path.read_text().strip()
 
 
+# A port picked here stays unbound until its service starts (Serve's proxy binds its port
+# only when a test first starts Serve), so nothing else may be handed it meanwhile: not by
+# this process (a Ray head's dashboard port, placed at a fixed offset, once landed on the
+# Serve port picked before it, and every test after that on the stack failed), nor by another
+# one picking ports at the same time (two test workers starting their stacks). A claim is a
+# file named after the port, holding the claimant's pid; a dead claimant's claim is void.
+PORT_CLAIMS = Path(tempfile.gettempdir()) / "rlt-ports"
+_claimed: set[int] = set()
+
+
+def _claim(port: int) -> bool:
+    """Claim `port` for this process; False when this or another live process holds it."""
+    if port in _claimed:
+        return False
+    PORT_CLAIMS.mkdir(exist_ok=True)
+    path = PORT_CLAIMS / str(port)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                owner = int(path.read_text() or "0")
+            except (OSError, ValueError):
+                owner = 0
+            if owner == 0 or _pid_alive(owner):  # 0: a claim being written
+                return False
+            path.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as claim:
+            claim.write(str(os.getpid()))
+        if not _claimed:
+            atexit.register(_release_claims, os.getpid())
+        _claimed.add(port)
+        return True
+    return False
+
+
+def _release_claims(pid: int) -> None:
+    if os.getpid() != pid:  # a forked child inherits the hook, not the claims
+        return
+    for port in _claimed:
+        with contextlib.suppress(OSError):
+            if (PORT_CLAIMS / str(port)).read_text() == str(pid):
+                (PORT_CLAIMS / str(port)).unlink()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
+    """A free port on 127.0.0.1 that nobody else picking ports here has claimed."""
+    while True:
+        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+            sock.bind((HOST, 0))
+            port = sock.getsockname()[1]
+        if _claim(port):
+            return port
 
 
 def _free_ports_besides(taken: set[int], count: int) -> list[int]:
@@ -231,7 +293,9 @@ def free_ports(count: int, spacing: int = 0) -> list[int]:
         port = _free_port()
         if port in chosen or port + spacing > 65535:
             continue
-        if spacing and (not _port_free(port + spacing) or port + spacing in chosen):
+        if spacing and (
+            port + spacing in chosen or not _port_free(port + spacing) or not _claim(port + spacing)
+        ):
             continue
         chosen.append(port)
     return chosen

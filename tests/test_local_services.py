@@ -98,3 +98,27 @@ def test_down_never_kills_a_process_it_did_not_start(tmp_path):
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_a_port_picked_for_a_service_is_never_picked_again_until_its_claimant_dies(
+    tmp_path, monkeypatch
+):
+    """A picked port stays unbound until its service starts: no later pick, here or in another
+    live process, may get it (a stack's dashboard port once landed on its Serve port)."""
+    monkeypatch.setattr(local, "PORT_CLAIMS", tmp_path / "claims")
+    monkeypatch.setattr(local, "_claimed", set())
+    picked = local.free_ports(20, spacing=local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"])
+    offsets = [p + local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"] for p in picked]
+    later = local.free_ports(200)
+    assert not set(later) & {*picked, *offsets}
+    # Another live process's claim holds; a dead one's does not.
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as alive:
+        with subprocess.Popen([sys.executable, "-c", "pass"]) as ended:
+            ended.wait()
+        free = [local._free_port() for _ in range(2)]
+        local._claimed.difference_update(free)
+        (tmp_path / "claims" / str(free[0])).write_text(str(alive.pid))
+        (tmp_path / "claims" / str(free[1])).write_text(str(ended.pid))
+        assert local._claim(free[0]) is False
+        assert local._claim(free[1]) is True
+        alive.kill()
