@@ -109,6 +109,7 @@ def test_a_port_picked_for_a_service_is_never_picked_again_until_its_claimant_di
     monkeypatch.setattr(local, "_claimed", set())
     picked = local.free_ports(20, spacing=local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"])
     offsets = [p + local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"] for p in picked]
+    assert not any(local._claim(port) for port in (*picked, *offsets))  # held, offsets too
     later = local.free_ports(200)
     assert not set(later) & {*picked, *offsets}
     # Another live process's claim holds; a dead one's does not.
