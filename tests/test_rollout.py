@@ -30,7 +30,7 @@ from prefect_ray_lifecycle.workloads.constants import ROUTER_DEPLOYMENT
 from prefect_ray_lifecycle.workloads.serve.route_state import route_figures
 
 ROUTE = "policy-test"
-VERSIONS = 9
+VERSIONS = 10
 
 
 def fast_gates(**overrides) -> Gates:
@@ -341,6 +341,30 @@ def test_a_candidate_failing_half_its_requests_is_aborted_and_no_user_sees_it(se
     assert any(
         p["error_rate"] > drawn["thresholds"]["max_error_rate"] for p in drawn["series"]["4"]
     )
+
+
+def test_with_fallback_off_the_candidates_failures_reach_users_and_still_stop_it(serving):
+    """`Gates.fallback=false`, for requests that must not be sent twice: a request the
+    candidate fails is not asked again of live; its user gets the router's 502 for the
+    candidate's failure, tagged with the candidate's version and no X-Fallback-From, and the
+    canary still rejects it."""
+    ensure_live(serving, "2")
+    drill = Drill(faults={"error_rate": 0.5})
+    with load(serving) as traffic:
+        with pytest.raises(RolloutFailed, match="canary"):
+            rollout(
+                serving, 10, drill=drill, gates=fast_gates(fallback=False, canary_min_requests=20)
+            )
+    assert live_version(serving) == "2"
+    failed = traffic.failed()
+    assert failed and {(a.status, a.version, a.fallback_from) for a in failed} == {
+        (502, "10", None)
+    }
+    assert all("error injected by a drill" in json.loads(a.body)["error"] for a in failed)
+    assert not any(a.fallback_from for a in traffic.answers)
+    tags = verdict(serving, 10)
+    assert (tags["verdict"], tags["stage"]) == ("rejected", "canary")
+    assert "error rate" in tags["reason"]
 
 
 def test_degradation_after_the_swap_is_rolled_back_without_a_failed_request(
