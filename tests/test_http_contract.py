@@ -412,3 +412,44 @@ def test_config_changes_reconfigure_the_router_in_place_and_a_slow_version_is_a_
         apply_user_config(router_app, ROUTER_DEPLOYMENT, restored.as_dict())
         serve_control.wait_router(ROUTE, restored.generation)
     assert_serving(route)
+
+
+def test_status_answers_while_the_route_state_is_stuck_and_no_figure_is_lost(stack, route):
+    """The route's state actor (figures and lease) stopped with SIGSTOP, as a stuck process
+    is: `-/status` still answers 200 with the router's config and `figures.error` instead of
+    figures, users are still served, and once the actor runs again the figures count the
+    answers given meanwhile (each replica keeps them until the actor takes them)."""
+    import math
+    import os
+    import signal
+
+    from deployments.worker_node import alive_actors
+    from prefect_ray_lifecycle.workloads.serve.route_state import route_state_name
+
+    def figures(window_s: int) -> dict:
+        answer = route["session"].get(f"{route['url']}/-/status?window_s={window_s}", timeout=30)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    (actor,) = [
+        a
+        for a in alive_actors(stack.ray_dashboard_url, stack.ray_token, "RouteState")
+        if a["name"] == route_state_name(ROUTE)
+    ]
+    stopped_at = time.time()
+    os.kill(actor["pid"], signal.SIGSTOP)
+    try:
+        for _ in range(3):
+            assert_serving(route)
+        stuck = figures(60)
+        assert stuck["config"]["live"]["version"] == "1" and stuck["serving"] == "as configured"
+        assert stuck["figures"]["versions"] == {}
+        assert stuck["figures"]["error"].startswith("route state unreachable"), stuck["figures"]
+    finally:
+        os.kill(actor["pid"], signal.SIGCONT)
+
+    def counted() -> dict | None:
+        now = figures(math.ceil(time.time() - stopped_at) + 1)["figures"]
+        return now if now["versions"].get("1", {}).get("requests", 0) >= 3 else None
+
+    assert "error" not in wait_for(counted)
