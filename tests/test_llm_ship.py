@@ -26,7 +26,12 @@ from prefect_ray_lifecycle.flows.register import RegistrationRequest, register_a
 from prefect_ray_lifecycle.tasks.finetune.config import LLMSweepSettings
 from prefect_ray_lifecycle.tasks.register import EvaluationSummary
 from prefect_ray_lifecycle.tasks.rollout.config import Gates, LLMServing, Serving
-from prefect_ray_lifecycle.workloads.constants import VERSION_HEADER, llm_python
+from prefect_ray_lifecycle.workloads.constants import (
+    LLM_DEPLOYMENT,
+    ROUTER_DEPLOYMENT,
+    VERSION_HEADER,
+    llm_python,
+)
 from prefect_ray_lifecycle.workloads.llm import corpus
 from prefect_ray_lifecycle.workloads.llm.tiny import build_tiny_llm
 
@@ -174,6 +179,38 @@ def test_a_policy_and_an_llm_champion_each_reach_their_own_route(stack, shipped,
         model_name=names["llm"], gates=GATES, ray_cluster=cluster, mlflow_server=server
     )
     assert again.action == "in_sync" and again.live == llm_version and again.rollout is None
+
+    base = f"http://127.0.0.1:{stack.serve_port}"
+
+    def complete(max_tokens: int = 3) -> requests.Response:
+        return requests.post(
+            f"{base}/{LLM_ROUTE}/v1/completions",
+            json={
+                "model": names["llm"],
+                "prompt": "flow task model version canary: count on from 41",
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            },
+            timeout=60,
+        )
+
+    # host_in_router=false: the router hosts no engine, and every request is forwarded to
+    # the version's app, whose own engine counts each one (the router's counts none).
+    with cluster.connect():
+        router = serve_control.handle(serve_control.router_app_name(LLM_ROUTE), ROUTER_DEPLOYMENT)
+        app = serve_control.handle(
+            serve_control.version_app_name(names["llm"], llm_version), LLM_DEPLOYMENT
+        )
+        assert router.status.remote().result(timeout_s=30)["inline_version"] is None
+        before = app.stats.remote().result(timeout_s=30)["requests"]
+        answers = [complete() for _ in range(3)]
+        after = app.stats.remote().result(timeout_s=30)["requests"]
+        assert router.llm_stats.remote(llm_version).result(timeout_s=30) is None
+        serve_control.release()
+    assert after == before + 3, (before, after)
+    for answer in answers:
+        assert answer.status_code == 200 and answer.headers[VERSION_HEADER] == llm_version
+
     # A route that still carries such a record (left before the fix) is put right: the
     # version keeps the route, nothing to fall back to, and the record goes.
     with cluster.connect():
@@ -190,17 +227,7 @@ def test_a_policy_and_an_llm_champion_each_reach_their_own_route(stack, shipped,
         serve_control.release()
     assert router.live.version == llm_version and router.rollout is None, router
 
-    base = f"http://127.0.0.1:{stack.serve_port}"
-    answer = requests.post(
-        f"{base}/{LLM_ROUTE}/v1/completions",
-        json={
-            "model": names["llm"],
-            "prompt": "flow task model version canary: count on from 41",
-            "max_tokens": 3,
-            "temperature": 0,
-        },
-        timeout=60,
-    )
+    answer = complete()
     assert answer.status_code == 200 and answer.headers[VERSION_HEADER] == llm_version
     print("the fine-tuned version answers:", answer.json()["choices"][0]["text"])
     action = requests.post(
