@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from deployments import local
+from deployments import local, ports
 
 
 @contextlib.contextmanager
@@ -24,7 +24,7 @@ def prefect_api() -> Iterator[str]:
             yield url
         return
     state_dir = Path(tempfile.mkdtemp(prefix="bench-prefect-"))
-    (port,) = local.free_ports(1)
+    (port,) = ports.free_ports(1)
     (service,) = local.services(state_dir, {"prefect": port}, ("prefect",))
     local.start(service)
     url = f"{service.url}/api"

@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray import serve
 
-    from deployments import local
+    from deployments import local, ports
     from prefect_ray_lifecycle.blocks import RayCluster
     from prefect_ray_lifecycle.compat import ray_internals
     from prefect_ray_lifecycle.control import serve_control
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         with cluster.connect():
             started_serve = ray_internals.serve_client_if_running() is None
             if started_serve:
-                (port,) = local.free_ports(1)
+                (port,) = ports.free_ports(1)
                 serve.start(http_options={"host": local.HOST, "port": port})
             try:
                 started = time.perf_counter()

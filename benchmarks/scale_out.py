@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from deployments import local
+from deployments import local, ports
 from deployments.worker_node import join
 
 NOTE = (
@@ -41,7 +41,7 @@ NOTE = (
 def cluster(state_dir: Path, head_cpus: int, worker_cpus: int = 0) -> Iterator[dict]:
     """A head (and a worker node when worker_cpus) on free ports; the block's fields, and the
     head's Ray Client address."""
-    (port,) = local.free_ports(1, spacing=local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"])
+    (port,) = ports.free_ports(1, spacing=local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"])
     (head,) = local.services(state_dir, {"ray": port}, ("ray",), ray_num_cpus=head_cpus)
     # A Ray Client connection starts a server process per client on the head; on a busy
     # machine that takes longer than the head's default 30 s wait.

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from benchmarks._prefect import prefect_api
-from deployments import local
+from deployments import local, ports
 
 RAY_CPUS = 2
 WARMUP_TASKS = 8  # enough that each of the job's workers has imported Prefect
@@ -57,7 +57,7 @@ def ray_head() -> Iterator[tuple[str, str]]:
     token). Stopped afterwards."""
     state_dir = Path(tempfile.mkdtemp(prefix="bto-", dir="/tmp"))  # short: Ray's sockets
     spacing = local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"]
-    (port,) = local.free_ports(1, spacing=spacing)
+    (port,) = ports.free_ports(1, spacing=spacing)
     (service,) = local.services(state_dir, {"ray": port}, ("ray",), ray_num_cpus=RAY_CPUS)
     local.start(service)
     try:

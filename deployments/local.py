@@ -10,7 +10,6 @@ themselves start an embedded Ray when their RayCluster block has no address.
 from __future__ import annotations
 
 import argparse
-import atexit
 import base64
 import contextlib
 import json
@@ -18,10 +17,8 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -29,9 +26,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from deployments.ports import HOST, free_ports_besides, port_free
+from deployments.processes import group_alive, start_time
 from prefect_ray_lifecycle.workloads.constants import GCS_PORT_WAIT_ENV, GCS_PORT_WAIT_S
 
-HOST = "127.0.0.1"
 # deployments/ is this checkout's tooling, not part of the installed package: the services
 # it starts from other folders import it from here.
 CHECKOUT = Path(__file__).resolve().parent.parent
@@ -173,7 +171,7 @@ class Service:
         # Fixed defaults (10001, 52365) would collide with another head on this machine.
         # Each picked free now, and never one this head takes itself (the kernel may hand
         # out the dashboard's port, which is not bound yet).
-        client_port, agent_port = _free_ports_besides({self.port, self.dashboard_port}, 2)
+        client_port, agent_port = free_ports_besides({self.port, self.dashboard_port}, 2)
         argv += ["--disable-usage-stats", "--ray-client-server-port", str(client_port)]
         argv += ["--dashboard-agent-listen-port", str(agent_port)]
         if self.num_cpus:
@@ -210,124 +208,14 @@ def _state_secret(path: Path, make: Callable[[], str]) -> str:
     return path.read_text().strip()
 
 
-# A port picked here stays unbound until its service starts (Serve's proxy binds its port
-# only when a test first starts Serve), so nothing else may be handed it meanwhile: not by
-# this process (a Ray head's dashboard port, placed at a fixed offset, once landed on the
-# Serve port picked before it, and every test after that on the stack failed), nor by another
-# one picking ports at the same time (two test workers starting their stacks). A claim is a
-# file named after the port, holding the claimant's pid; a dead claimant's claim is void.
-PORT_CLAIMS = Path(tempfile.gettempdir()) / "rlt-ports"
-_claimed: set[int] = set()
-
-
-def _claim(port: int) -> bool:
-    """Claim `port` for this process; False when this or another live process holds it."""
-    if port in _claimed:
-        return False
-    PORT_CLAIMS.mkdir(exist_ok=True)
-    path = PORT_CLAIMS / str(port)
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                owner = int(path.read_text() or "0")
-            except (OSError, ValueError):
-                owner = 0
-            if owner == 0 or _pid_alive(owner):  # 0: a claim being written
-                return False
-            path.unlink(missing_ok=True)
-            continue
-        with os.fdopen(fd, "w") as claim:
-            claim.write(str(os.getpid()))
-        if not _claimed:
-            atexit.register(_release_claims, os.getpid())
-        _claimed.add(port)
-        return True
-    return False
-
-
-def _release_claims(pid: int) -> None:
-    if os.getpid() != pid:  # a forked child inherits the hook, not the claims
-        return
-    for port in _claimed:
-        with contextlib.suppress(OSError):
-            if (PORT_CLAIMS / str(port)).read_text() == str(pid):
-                (PORT_CLAIMS / str(port)).unlink()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _free_port() -> int:
-    """A free port on 127.0.0.1 that nobody else picking ports here has claimed."""
-    while True:
-        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-            sock.bind((HOST, 0))
-            port = sock.getsockname()[1]
-        if _claim(port):
-            return port
-
-
-def _free_ports_besides(taken: set[int], count: int) -> list[int]:
-    chosen: list[int] = []
-    while len(chosen) < count:
-        port = _free_port()
-        if port not in taken and port not in chosen:
-            chosen.append(port)
-    return chosen
-
-
-def free_ports(count: int, spacing: int = 0) -> list[int]:
-    """Distinct free ports on 127.0.0.1; with `spacing`, port+spacing is free too (for Ray's
-    dashboard, which `Service` places at a fixed offset from the GCS port)."""
-    chosen: list[int] = []
-    while len(chosen) < count:
-        port = _free_port()
-        if port in chosen or port + spacing > 65535:
-            continue
-        if spacing and (
-            port + spacing in chosen or not _port_free(port + spacing) or not _claim(port + spacing)
-        ):
-            continue
-        chosen.append(port)
-    return chosen
-
-
-def _proc_start_time(pid: int) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # Field 22 (starttime) counted after the parenthesised command name.
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
 def _read_pid(service: Service) -> dict | None:
     try:
         record = json.loads(service.pid_file.read_text())
     except (OSError, ValueError):
         return None
-    if _proc_start_time(record["pid"]) != record["start_time"]:
+    if start_time(record["pid"]) != record["start_time"]:
         return None  # dead, or the pid now belongs to someone else
     return record
-
-
-def _port_free(port: int) -> bool:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return False
-    return True
 
 
 def answers(service: Service, timeout: float = 2.0) -> bool:
@@ -372,7 +260,7 @@ def launch(service: Service, argv: list[str], env: dict[str, str], cwd: Path) ->
         json.dumps(
             {
                 "pid": process.pid,
-                "start_time": _proc_start_time(process.pid),
+                "start_time": start_time(process.pid),
                 "port": service.port,
                 "argv": argv,
             }
@@ -390,12 +278,12 @@ def start(service: Service, timeout: float = START_TIMEOUT_S) -> str:
             f"{service.name} (pid file {service.pid_file}) runs but does not "
             f"answer at {service.health_url}; see {service.log_file}"
         )
-    if not _port_free(service.port):
+    if not port_free(service.port):
         raise ServiceError(
             f"port {service.port} on {HOST}, wanted by the {service.name} service, is in use "
             f"by another process; stop it or choose another port"
         )
-    if service.name == "ray" and not _port_free(service.dashboard_port):
+    if service.name == "ray" and not port_free(service.dashboard_port):
         raise ServiceError(
             f"port {service.dashboard_port} on {HOST}, wanted by the ray dashboard, is in use "
             f"by another process; stop it or choose another port"
@@ -433,35 +321,14 @@ def stop(service: Service, timeout: float = STOP_TIMEOUT_S) -> str:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, sig)
         deadline = time.monotonic() + (timeout if sig == signal.SIGTERM else 5)
-        while time.monotonic() < deadline and _group_alive(pid):
+        while time.monotonic() < deadline and group_alive(pid):
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
             time.sleep(0.2)
-        if not _group_alive(pid):
+        if not group_alive(pid):
             break
     service.pid_file.unlink(missing_ok=True)
     return f"stopped (pid {pid})"
-
-
-def process_running(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def _group_alive(pgid: int) -> bool:
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if os.getpgid(int(proc.name)) == pgid and process_running(int(proc.name)):
-                return True
-        except (OSError, ProcessLookupError):
-            continue
-    return False
 
 
 def status(service: Service) -> dict:

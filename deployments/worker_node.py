@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from deployments import local
+from deployments.ports import HOST, free_ports
+from deployments.processes import group_alive
 
 # The custom resource a joined node offers (one per CPU), so work is placed on it by name.
 WORKER_RESOURCE = "worker_node"
@@ -92,12 +93,12 @@ def join(
         RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file)
     )
     argv = [str(Path(sys.executable).parent / "ray"), "start", "--block"]
-    argv += ["--address", address, "--node-ip-address", local.HOST]
+    argv += ["--address", address, "--node-ip-address", HOST]
     argv += ["--temp-dir", str(temp_dir), "--num-cpus", str(cpus), "--num-gpus", "0"]
     argv += ["--resources", json.dumps(resources or {WORKER_RESOURCE: cpus})]
     argv += ["--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats"]
     # The default agent port (52365) would collide with another node on this machine.
-    argv += ["--dashboard-agent-listen-port", str(local.free_ports(1)[0])]
+    argv += ["--dashboard-agent-listen-port", str(free_ports(1)[0])]
     before = {node["node_id"] for node in alive_nodes(dashboard_url, token)}
     with open(log_file, "ab") as log:
         process = subprocess.Popen(
@@ -149,17 +150,8 @@ def stop(process: subprocess.Popen, timeout: float = 15.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, sig)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and _group_alive(process.pid):
+        while time.monotonic() < deadline and group_alive(process.pid):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(0.2)
-        if not _group_alive(process.pid):
+        if not group_alive(process.pid):
             return
-
-
-def _group_alive(pgid: int) -> bool:
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            with contextlib.suppress(OSError):
-                if os.getpgid(int(proc.name)) == pgid and local.process_running(int(proc.name)):
-                    return True
-    return False

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from deployments import approve, local
+from deployments import approve, local, ports
 from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.stack import SCHEDULER_ENV, deployed, environ, pointed_at
 from deployments.testing.watch import (
@@ -68,7 +68,7 @@ def approvals(stack, checkpoints):
     """The session's Ray head and MLflow, this module's own Prefect server, the deployments
     and a worker on it; five versions of the model, the first one live."""
     state = Path(tempfile.mkdtemp(prefix="rlt-approval-", dir="/tmp"))
-    (port,) = local.free_ports(1)
+    (port,) = ports.free_ports(1)
     prefect = dataclasses.replace(
         local.Service("prefect", port, state),
         extra_env=(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments import local
+from deployments import local, ports, processes
 
 
 def _cli(state_dir: Path, *args: str, ports: tuple[int, int, int]) -> subprocess.CompletedProcess:
@@ -38,9 +38,9 @@ def _cli(state_dir: Path, *args: str, ports: tuple[int, int, int]) -> subprocess
 
 @pytest.mark.services  # starts services of its own
 def test_up_twice_status_down_leaves_nothing_running(tmp_path):
-    ports = tuple(local.free_ports(3))
+    picked = tuple(ports.free_ports(3))
     services = ("prefect", "mlflow", "receiver")
-    first = _cli(tmp_path, "up", ports=ports)
+    first = _cli(tmp_path, "up", ports=picked)
     assert first.returncode == 0, first.stdout + first.stderr
     assert first.stdout.count("started") == len(services)
     pids = [
@@ -51,24 +51,24 @@ def test_up_twice_status_down_leaves_nothing_running(tmp_path):
     ).stdout.split()
     assert len(children) >= len(services)
 
-    second = _cli(tmp_path, "up", ports=ports)
+    second = _cli(tmp_path, "up", ports=picked)
     assert second.returncode == 0 and second.stdout.count("already running") == len(services)
 
-    status = _cli(tmp_path, "status", ports=ports)
+    status = _cli(tmp_path, "status", ports=picked)
     assert status.returncode == 0
-    assert f"http://127.0.0.1:{ports[0]}" in status.stdout and "answers" in status.stdout
+    assert f"http://127.0.0.1:{picked[0]}" in status.stdout and "answers" in status.stdout
     # State stays in the chosen folder.
     assert (tmp_path / "mlflow" / "mlflow.db").exists()
     assert (tmp_path / "prefect").is_dir()
 
-    down = _cli(tmp_path, "down", ports=ports)
+    down = _cli(tmp_path, "down", ports=picked)
     assert down.returncode == 0 and down.stdout.count("stopped") == len(services)
-    assert not any(local.process_running(int(pid)) for pid in children)
+    assert not any(processes.process_running(int(pid)) for pid in children)
     assert not list((tmp_path / "pids").glob("*.json"))
 
-    after = _cli(tmp_path, "status", ports=ports)
+    after = _cli(tmp_path, "status", ports=picked)
     assert after.returncode == 1 and "down" in after.stdout
-    assert _cli(tmp_path, "down", ports=ports).stdout.count("not running") == len(services)
+    assert _cli(tmp_path, "down", ports=picked).stdout.count("not running") == len(services)
 
 
 @pytest.mark.services
@@ -77,7 +77,7 @@ def test_a_port_taken_by_someone_else_is_a_clear_error(tmp_path):
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         taken = squatter.getsockname()[1]
-        free, spare = local.free_ports(2)
+        free, spare = ports.free_ports(2)
         result = _cli(tmp_path, "up", ports=(free, taken, spare))
     # prefect was started by this call, then stopped again: nothing half up.
     assert result.returncode == 1
@@ -105,21 +105,21 @@ def test_a_port_picked_for_a_service_is_never_picked_again_until_its_claimant_di
 ):
     """A picked port stays unbound until its service starts: no later pick, here or in another
     live process, may get it (a stack's dashboard port once landed on its Serve port)."""
-    monkeypatch.setattr(local, "PORT_CLAIMS", tmp_path / "claims")
-    monkeypatch.setattr(local, "_claimed", set())
-    picked = local.free_ports(20, spacing=local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"])
+    monkeypatch.setattr(ports, "PORT_CLAIMS", tmp_path / "claims")
+    monkeypatch.setattr(ports, "_claimed", set())
+    picked = ports.free_ports(20, spacing=local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"])
     offsets = [p + local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"] for p in picked]
-    assert not any(local._claim(port) for port in (*picked, *offsets))  # held, offsets too
-    later = local.free_ports(200)
+    assert not any(ports.claim(port) for port in (*picked, *offsets))  # held, offsets too
+    later = ports.free_ports(200)
     assert not set(later) & {*picked, *offsets}
     # Another live process's claim holds; a dead one's does not.
     with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as alive:
         with subprocess.Popen([sys.executable, "-c", "pass"]) as ended:
             ended.wait()
-        free = [local._free_port() for _ in range(2)]
-        local._claimed.difference_update(free)
+        free = [ports.free_port() for _ in range(2)]
+        ports._claimed.difference_update(free)
         (tmp_path / "claims" / str(free[0])).write_text(str(alive.pid))
         (tmp_path / "claims" / str(free[1])).write_text(str(ended.pid))
-        assert local._claim(free[0]) is False
-        assert local._claim(free[1]) is True
+        assert ports.claim(free[0]) is False
+        assert ports.claim(free[1]) is True
         alive.kill()

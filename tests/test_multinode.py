@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from deployments import local
+from deployments import processes
 from prefect_ray_lifecycle.blocks import MLflowServer, RayCluster
 from prefect_ray_lifecycle.flows.register import RegistrationRequest, register_and_promote
 from prefect_ray_lifecycle.flows.tune_sweep import tune_sweep
@@ -220,7 +220,7 @@ def test_a_node_lost_mid_sweep_has_its_trials_retried_on_the_head(
     # Each trial still running at the kill runs again, in a new actor (under load one of the
     # two may have finished on the second node just before it).
     assert 1 <= len({m["pid"] for m in after}) <= 2
-    assert all(m["ppid"] != node2 and local.process_running(m["ppid"]) for m in after)
+    assert all(m["ppid"] != node2 and processes.process_running(m["ppid"]) for m in after)
     run = prefect_client.read_flow_run(result.metrics["flow_run_id"])
     assert run.state.is_completed()
 

@@ -13,7 +13,7 @@ import pytest
 from prefect import flow, task
 from prefect.states import StateType
 
-from deployments import local
+from deployments import processes
 from prefect_ray_lifecycle.blocks import RayCluster
 from prefect_ray_lifecycle.flows.ray_smoke import ray_smoke
 from prefect_ray_lifecycle.ray_runner import RayClusterTaskRunner, ray_options
@@ -292,9 +292,11 @@ def test_stopping_the_flow_process_stops_its_ray_tasks(stack, tmp_path):
         process.wait(timeout=60)
 
         deadline = time.monotonic() + 30
-        while any(map(local.process_running, pids)) and time.monotonic() < deadline:
+        while any(map(processes.process_running, pids)) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not any(map(local.process_running, pids)), "Ray tasks outlived their flow process"
+        assert not any(map(processes.process_running, pids)), (
+            "Ray tasks outlived their flow process"
+        )
     finally:
         if process.poll() is None:
             process.kill()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prefect import flow, task
 
-from deployments import local
+from deployments import local, ports
 from prefect_ray_lifecycle.ray_runner import RayClusterTaskRunner
 
 
@@ -22,7 +22,7 @@ def second_api():
     """A second Prefect server with its own database (another team's or environment's API):
     its URL and a future that is done once it answers (it starts while the test goes on)."""
     state_dir = Path(tempfile.mkdtemp(prefix="api2-", dir="/tmp"))
-    (port,) = local.free_ports(1)
+    (port,) = ports.free_ports(1)
     (server,) = local.services(state_dir, {"prefect": port}, ("prefect",))
     with ThreadPoolExecutor(1) as starting:
         started = starting.submit(local.start, server)

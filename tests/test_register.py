@@ -16,7 +16,7 @@ from chart_checks import synthetic_chart
 from mlflow import MlflowClient
 from pydantic import ValidationError
 
-from deployments import local
+from deployments import local, ports
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry
 from prefect_ray_lifecycle.flows.register import RegistrationRequest, register_and_promote
@@ -259,7 +259,7 @@ def test_an_mlflow_outage_during_registration_is_retried_to_exactly_one_version(
     has recorded an attempt that failed on the connection and waits to retry."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-    (port,) = local.free_ports(1)
+    (port,) = ports.free_ports(1)
     (service,) = local.services(tmp_path / "mlflow-outage", {"mlflow": port}, ("mlflow",))
     local.start(service)
     run_name = f"outage-{model_name}"

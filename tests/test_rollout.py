@@ -502,10 +502,10 @@ def test_mlflow_down_at_the_swap_undoes_it_and_the_next_reconcile_rolls_the_cham
     task's retries), the swap is undone: the router and `live` name the same version again,
     no user saw an error, and the next reconcile (MLflow back) rolls the champion out. An
     MLflow server of its own, so the session's stays up."""
-    from deployments import local
+    from deployments import local, ports
     from prefect_ray_lifecycle.tasks.rollout.record import record
 
-    (port,) = local.free_ports(1)
+    (port,) = ports.free_ports(1)
     (service,) = local.services(tmp_path / "mlflow-swap", {"mlflow": port}, ("mlflow",))
     assert local.start(service).startswith("started")
     route, name = "swap-outage-test", f"swap-{uuid.uuid4().hex[:6]}"

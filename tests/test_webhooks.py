@@ -26,7 +26,7 @@ from prefect.events.filters import EventFilter, EventIDFilter, EventResourceFilt
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from starlette.testclient import TestClient
 
-from deployments import local, receiver, setup
+from deployments import local, ports, receiver, setup
 from deployments.testing.stack import environment as stack_environment
 from deployments.testing.stack import undeploy
 from prefect_ray_lifecycle.blocks import MLflowWebhook
@@ -373,7 +373,7 @@ def test_no_block_or_no_prefect_is_a_503_that_mlflow_retries(prefect_client):
         response = client.post("/mlflow", content=body, headers=signed_headers(block, body))
     assert_json_error(response, 503)
     assert response.headers["retry-after"]
-    (port,) = local.free_ports(1)
+    (port,) = ports.free_ports(1)
     with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{port}/api"}):
         with TestClient(receiver.create_app(webhook=block)) as client:
             headers = signed_headers(block, body)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deployments import crashes, local, route_watch, setup
+from deployments import crashes, local, ports, route_watch, setup
 from prefect_ray_lifecycle.workloads.constants import PROJECT_ROOT
 
 SCHEDULER_ENV = (("PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS", "2"),)
@@ -77,8 +77,8 @@ class Stack:
 def temporary_stack(ray_num_cpus: int, prefix: str = "rlt-") -> Iterator[Stack]:
     # Short path: Ray's unix sockets live under its temp dir and must stay under 107 bytes.
     state_dir = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    prefect_port, mlflow_port, receiver_port, serve_port = local.free_ports(4)
-    (ray_port,) = local.free_ports(1, spacing=local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"])
+    prefect_port, mlflow_port, receiver_port, serve_port = ports.free_ports(4)
+    (ray_port,) = ports.free_ports(1, spacing=local.RAY_DASHBOARD_PORT - local.DEFAULT_PORTS["ray"])
     services = local.services(
         state_dir,
         {
