@@ -92,7 +92,9 @@ def window_latencies(load: OpenLoop, skip_s: float = 1.0) -> tuple[float, float]
     return percentile(kept, 0.5), percentile(kept, 0.99)
 
 
-def shadow_cost(port: int, name: str, live: str, shadow_s: float, rounds: int) -> dict[str, Any]:
+def shadow_cost(
+    port: int, name: str, live: str, shadow_s: float, rounds: int, load: float = 0.5
+) -> dict[str, Any]:
     """Users' latency with every request copied to an identical candidate, against the same
     open-loop load (half the measured capacity) without copies, in alternating windows."""
     from deployments.testing import drive
@@ -101,7 +103,7 @@ def shadow_cost(port: int, name: str, live: str, shadow_s: float, rounds: int) -
     from prefect_ray_lifecycle.workloads.serve.router_config import Shadow, Target
 
     capacity, _ = steady(port, f"/{ROUTE}", 4, 5.0)
-    rate = capacity / 2
+    rate = capacity * load
     router = serve_control.current_router(ROUTE)
     candidate = Target(live, SHADOW_CANDIDATE, "policy", router.live.model)
     shadow = Shadow(1.0, max_per_s=rate * 2)  # the cap above the load: every request copied

@@ -27,10 +27,12 @@ from prefect_ray_lifecycle.workloads.http import BadRequest
 from prefect_ray_lifecycle.workloads.serve.policy import Faults
 from prefect_ray_lifecycle.workloads.serve.router_config import RouterConfig, Shadow, Target
 from prefect_ray_lifecycle.workloads.serve.shadow import (
+    BATCH_ROWS,
     QUEUE_SIZE,
     Copy,
     Mirror,
     ShadowTally,
+    batches,
     compare,
     greedy_llm_request,
     summarize_shadow,
@@ -228,6 +230,74 @@ def test_the_mirror_admits_its_share_within_its_rate_cap_and_drops_what_its_queu
     taken = mirror.take()
     # The sender holds IN_FLIGHT copies, the queue QUEUE_SIZE; the rest were dropped, counted.
     assert taken[("1", "candidate")][2] == mirror.dropped_total > 0
+
+
+def policy_copy(rows: int, role: str = "candidate", seed: int = 0, target=CANDIDATE) -> Copy:
+    """A copy as the router makes it: live's extras carry its actions (the sign of each row's
+    first value) and the observations it parsed."""
+    observations = np.random.default_rng(seed).uniform(-1, 1, (rows, 4)).astype("<f4")
+    live = {
+        "actions": [int(row[0] > 0) for row in observations],
+        "observations": observations.tobytes(),
+        "rows": rows,
+    }
+    sent = {**request(body=b'{"observations": "as the user sent them"}'), "shadow": True}
+    return Copy(Target.parse(target), role, sent, live, 3.0, 1.0)
+
+
+def test_a_policys_copies_share_calls_by_app_and_role_within_the_row_and_byte_caps():
+    bare = Copy(Target.parse(CANDIDATE), "candidate", {}, None, 1.0, 1.0)  # no observations
+    copies = [policy_copy(1), policy_copy(4, "noise_floor", target=TARGET), bare, policy_copy(2)]
+    copies.append(policy_copy(3, "noise_floor", target=TARGET))
+    calls = batches(copies, max_bytes=1 << 20)
+    assert [[copies.index(c) for c in call] for call in calls] == [[0, 3], [1, 4], [2]]
+    # A call never exceeds the body limit (16 bytes a row here) nor BATCH_ROWS.
+    small = batches([policy_copy(2, seed=i) for i in range(5)], max_bytes=16 * 4)
+    assert [len(call) for call in small] == [2, 2, 1]
+    assert len(batches([policy_copy(BATCH_ROWS // 2 + 1) for _ in range(2)], 1 << 30)) == 2
+
+
+def test_batched_copies_are_compared_row_by_row_and_a_failed_batch_is_sent_again_one_by_one():
+    def run(fail_batches: bool) -> tuple[list[dict], dict]:
+        calls: list[dict] = []
+
+        async def send(target, req, timeout_s):  # a candidate acting as live does, on row 1
+            calls.append(req)
+            if req["headers"].get("content-type") == "application/octet-stream":
+                if fail_batches:
+                    return {"status": 500}
+                rows = np.frombuffer(req["body"], dtype="<f4").reshape(-1, 4)
+            else:  # a single copy is sent as the user sent it: answer from live's own record
+                rows = np.frombuffer(copies[len(calls) - 2].live["observations"], "<f4")
+                rows = rows.reshape(-1, 4)
+            actions = [int(row[0] > 0) for row in rows]
+            actions[0] = 1 - actions[0]  # disagrees on each call's first row
+            return {"status": 200, "shadow": {"actions": actions, "probabilities": None}}
+
+        mirror = Mirror(send)
+        copies = [policy_copy(rows, seed=rows) for rows in (3, 1, 4)]
+
+        async def go():
+            for copy in copies:
+                mirror.offer(copy)
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if mirror.sent_total == len(copies):
+                    break
+            mirror.task.cancel()
+
+        asyncio.run(go())
+        return calls, summarize_shadow(list(mirror.take().values()))
+
+    calls, figures = run(fail_batches=False)
+    assert len(calls) == 1 and len(calls[0]["body"]) == 8 * 16  # 8 rows, one call
+    assert (figures["copies"], figures["errors"], figures["rows"]) == (3, 0, 8)
+    assert figures["agreement"] == 7 / 8  # only the batch's first row differed
+    calls, figures = run(fail_batches=True)
+    assert len(calls) == 4  # the batch, then each copy alone, as the user sent it
+    assert all(call["body"].startswith(b'{"observations"') for call in calls[1:])
+    assert (figures["copies"], figures["errors"], figures["rows"]) == (3, 0, 8)
+    assert figures["agreement"] == 5 / 8  # each single call's first row differed
 
 
 # ---- the router's config --------------------------------------------------------------------

@@ -153,7 +153,7 @@ class Gates(BaseModel):
         3.0,
         ge=1,
         description="Highest candidate p99 on the copies as a multiple of live's on the same "
-        "requests (plus p99_slack_ms).",
+        "requests (plus p99_slack_ms); a policy's copies go in batches, each timed as its batch.",
     )
     shadow_noise_floor: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -260,7 +260,7 @@ class PolicyCore:
     def answer(self, request: dict[str, Any], disagree: float = 0.0) -> dict[str, Any]:
         """Answer one HTTP request given as a dict (see `request_dict`). Asked for a shadow
         comparison (the router's SHADOW_KEY), the answer also carries, outside its body, the
-        greedy actions and their probabilities."""
+        greedy actions and their probabilities, and the observations as parsed (float32)."""
         headers = request.get("headers", {})
         try:
             if request.get("method", "POST") != "POST":
@@ -276,6 +276,9 @@ class PolicyCore:
                 answer[SHADOW_KEY] = {
                     "actions": actions,
                     "probabilities": None if probabilities is None else probabilities.tolist(),
+                    # as parsed: the shadow sends many copies to the candidate as one batch
+                    "observations": observations.astype("<f4", copy=False).tobytes(),
+                    "rows": len(observations),
                 }
             return answer
         except BadRequest as error:

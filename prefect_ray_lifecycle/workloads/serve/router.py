@@ -91,7 +91,7 @@ class Router:
         self.loading: str | None = None
         self.load_error: str | None = None
         self.rejected_config: str | None = None
-        self.mirror = Mirror(self._forward)
+        self.mirror = Mirror(self._forward, max_body_bytes)
         self.state = RouteStateClient(route, shadow=self.mirror)
         self._lock = threading.Lock()
         self._background: asyncio.Task | None = None
