@@ -294,7 +294,8 @@ def run(stack, threads: int, steady_s: float, rounds: int, shadow_s: float) -> d
 
         # (e) The shadow's cost to users, with an identical candidate.
         second_app(SHADOW_CANDIDATE)
-        figures["shadow"] = shadow_cost(port, name, live, shadow_s, rounds)
+        # At least 5 rounds: a window's p99 is its ~6th-slowest answer, noisy on a busy machine.
+        figures["shadow"] = shadow_cost(port, name, live, shadow_s, max(5, rounds))
         serve_control.apply(deletes={SHADOW_CANDIDATE})
 
         # (f) A candidate that answers differently: rejected at shadow, seen by no user.

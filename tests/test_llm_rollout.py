@@ -29,6 +29,9 @@ pytestmark = [pytest.mark.llm, pytest.mark.slow]
 LLM_PYTHON = Path(llm_python())  # tests/conftest.py skips or fails llm tests without it
 
 ROUTE = "llm-test"
+# Each load thread's pause between requests: a few a second give every gate its samples (the
+# shadow 5 copies in 4 s, the canary 3), and leave vLLM's CPU to the engines starting.
+PAUSE_S = 0.2
 LLM = LLMServing(
     engine={"max_model_len": 128, "kv_cache_memory_bytes": 64 << 20, "dtype": "float32"},
     num_cpus=0.5,
@@ -117,7 +120,7 @@ def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(st
                 else 0
             )
             answers.append((response.status_code, response.headers.get("X-Model-Version"), tokens))
-            time.sleep(0.05)
+            time.sleep(PAUSE_S)
 
     greedy: list[tuple[int, str | None]] = []
 
@@ -138,6 +141,7 @@ def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(st
                 f"http://127.0.0.1:{stack.serve_port}/{ROUTE}/v1/completions", json=body, timeout=60
             )
             greedy.append((response.status_code, response.headers.get("X-Model-Version")))
+            time.sleep(PAUSE_S)
 
     threads = [threading.Thread(target=f, daemon=True) for f in (load, greedy_load)]
     for thread in threads:

@@ -292,7 +292,7 @@ def test_a_candidate_that_answers_differently_is_rejected_at_shadow_and_no_user_
     """A drill makes v3 choose another action on 30% of the observations; its health, smoke,
     error rate and latency are fine. The testers' header is off on this rollout: ignored."""
     tester = load(route, pause_s=0.05, headers={CANARY_HEADER: "always"})
-    users = load(route, threads=3, requests=lambda n: (observations(n), {}))
+    users = load(route, threads=3, pause_s=0.03, requests=lambda n: (observations(n), {}))
     with users, tester, pytest.raises(RolloutFailed, match="at shadow: agreement with live"):
         serve_rollout(
             version="3",

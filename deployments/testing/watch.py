@@ -58,7 +58,8 @@ def started_run(
         fresh = [r for r in deployment_runs(client, name, after) if r.id not in skip]
         return fresh[0] if fresh and fresh[0].state.is_running() else None
 
-    return wait_for(f"a {name} run starts", running, timeout)
+    # Every 0.5 s: each look reads the deployment and its runs, for up to minutes.
+    return wait_for(f"a {name} run starts", running, timeout, every=0.5)
 
 
 def kill_flow_run(client: Any, run_id: Any) -> float:
