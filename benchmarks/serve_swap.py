@@ -25,7 +25,6 @@ Last line: one JSON object.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import time
@@ -96,7 +95,11 @@ def shadow_cost(
     port: int, name: str, live: str, shadow_s: float, rounds: int, load: float = 0.5
 ) -> dict[str, Any]:
     """Users' latency with every request copied to an identical candidate, against the same
-    open-loop load (half the measured capacity) without copies, in alternating windows."""
+    open-loop load (`load` of the measured capacity) without copies, in alternating windows.
+    Both kinds of window run under a held rollout with the candidate in place, its config
+    applied on every router replica before the window starts: stage `shadow` with the copies,
+    stage `smoke` (no user traffic to the candidate, no copies) without, so that only the
+    copies differ."""
     from deployments.testing import drive
     from prefect_ray_lifecycle.control import serve_control
     from prefect_ray_lifecycle.workloads.serve.route_state import route_shadow
@@ -113,7 +116,7 @@ def shadow_cost(
             held = (
                 drive.held(ROUTE, candidate=candidate, shadow=shadow, rollout={"stage": "shadow"})
                 if copying
-                else contextlib.nullcontext()
+                else drive.held(ROUTE, candidate=candidate, rollout={"stage": "smoke"})
             )
             with held, OpenLoop(port, f"/{ROUTE}", rate, requests=observations) as load:
                 time.sleep(shadow_s)

@@ -194,6 +194,29 @@ def test_a_real_alias_move_becomes_exactly_one_event(stack, webhook, prefect_cli
     assert payload == {"name": name, "alias": "champion", "version": version}
 
 
+def test_webhook_secrets_still_decrypt_after_mlflow_restarts(stack, webhook, prefect_client):
+    """MLflow keeps the webhook's secret encrypted with a key; the launcher keeps that key in
+    the state folder, so MLflow started again decrypts the secret it stored and signs with it
+    (a new key per start could not): a move after the restart still becomes its event,
+    through the same webhook, set up once."""
+    client = MlflowClient(stack.mlflow_uri)
+    hooks = [hook.webhook_id for hook in our_webhooks(client, webhook.webhook_name)]
+    mlflow = stack.service("mlflow")
+    local.stop(mlflow)
+    assert local.start(mlflow).startswith("started")
+    assert [hook.webhook_id for hook in our_webhooks(client, webhook.webhook_name)] == hooks
+    name = f"restarted-{uuid.uuid4().hex[:6]}"
+    version = registered_version(client, name)
+    client.set_registered_model_alias(name, "champion", version)
+    events = wait_events(
+        prefect_client,
+        f"mlflow.registered-model.{name}",
+        lambda events: any(e.event == ALIAS_CREATED for e in events),
+    )
+    moved = [e for e in events if e.event == ALIAS_CREATED]
+    assert moved[0].resource.get("mlflow.version") == version, events
+
+
 def test_bad_deliveries_are_refused_with_json_and_leave_no_event(stack, webhook, prefect_client):
     url = stack.webhook_url
     max_age = webhook.max_age_s
