@@ -98,8 +98,8 @@ def shadow_cost(
     open-loop load (`load` of the measured capacity) without copies, in alternating windows.
     Both kinds of window run under a held rollout with the candidate in place, its config
     applied on every router replica before the window starts: stage `shadow` with the copies,
-    stage `smoke` (no user traffic to the candidate, no copies) without, so that only the
-    copies differ."""
+    without them a canary at weight 0 (no user traffic to the candidate, no copies), so that
+    only the copies differ."""
     from deployments.testing import drive
     from prefect_ray_lifecycle.control import serve_control
     from prefect_ray_lifecycle.workloads.serve.route_state import route_shadow
@@ -116,7 +116,9 @@ def shadow_cost(
             held = (
                 drive.held(ROUTE, candidate=candidate, shadow=shadow, rollout={"stage": "shadow"})
                 if copying
-                else drive.held(ROUTE, candidate=candidate, rollout={"stage": "smoke"})
+                else drive.held(
+                    ROUTE, candidate=candidate, candidate_weight=0.0, rollout={"stage": "canary"}
+                )
             )
             with held, OpenLoop(port, f"/{ROUTE}", rate, requests=observations) as load:
                 time.sleep(shadow_s)

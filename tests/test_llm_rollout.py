@@ -2,7 +2,8 @@
 .venv-llm) behind the router, a real completion as the smoke gate, a shadow stage comparing
 its greedy completions with live's beside the noise floor (live's own app against live),
 canary figures that include time to first token and tokens/s, streaming through the router,
-and the live version hosted in the router's own replica once it passed its gates."""
+and the live version hosted in the router's own replica once it passed its gates; then the
+route through the router fuzzed: the OpenAI routes (streams too), /v1/models and health."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from pathlib import Path
 
 import pytest
 import requests
+from http_fuzz import METHODS, assert_contract, openai_requests
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from mlflow import MlflowClient
 
 from prefect_ray_lifecycle.blocks import MLflowServer
@@ -91,8 +95,8 @@ def completion(
     )
 
 
-def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(stack, llm_model):
-    common = dict(
+def rollout_args(llm_model) -> dict:
+    return dict(
         model_name=llm_model["name"],
         route=ROUTE,
         gates=GATES,
@@ -102,6 +106,10 @@ def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(st
         ray_cluster=llm_model["cluster"],
         mlflow_server=llm_model["server"],
     )
+
+
+def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(stack, llm_model):
+    common = rollout_args(llm_model)
     first = serve_rollout(version="1", **common)
     assert first.outcome == "first_rollout"
     assert first.timeline[1]["stage"] == "smoke"
@@ -226,3 +234,69 @@ def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(st
     assert (now["model"], now["mlflow_uri"]) == (llm_model["name"], stack.mlflow_uri), now
     assert now["inline_version"] == "2" and now["aliases"]["live"] == "2"
     assert now["verdicts"][0]["version"] == "2" and now["verdicts"][0]["verdict"] == "promoted"
+
+
+@pytest.fixture(scope="module")
+def served(stack, llm_model) -> str:
+    """The live version of the route, its engine hosted in the router's replica (the test
+    above leaves v2 so; run alone, v1 is rolled out first)."""
+    cluster = llm_model["cluster"]
+    with cluster.connect():
+        serve_control.start(cluster.serve_host, stack.serve_port)  # or connect to it
+        router = serve_control.current_router(ROUTE)
+        if router is None or router.live is None:
+            serve_rollout(version="1", **rollout_args(llm_model))
+            router = serve_control.current_router(ROUTE)
+        serve_control.wait_router(
+            ROUTE, router.generation, timeout_s=240, inline_version=router.live.version
+        )
+    return router.live.version
+
+
+@st.composite
+def llm_route_requests(draw, model: str) -> tuple[str, bytes]:
+    """(path, body): mostly the completion routes' near-valid bodies, streams among them;
+    else /v1/models, health and their near misses, with any query and body."""
+    if draw(st.integers(0, 2)):
+        return draw(openai_requests(model, max_tokens=4))
+    path = draw(st.sampled_from(["/v1/models", "/health", "/models", "/v1/health", "/v1"]))
+    suffix = draw(st.from_regex(r"(/[a-zA-Z0-9._~-]{0,12})?(\?[a-z_]{1,8}=[a-zA-Z0-9%-]{0,8})?"))
+    return path + suffix, draw(st.binary(max_size=64))
+
+
+FUZZ = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ],
+)
+
+
+@FUZZ
+@given(data=st.data(), method=METHODS)
+def test_the_llm_route_through_the_router_never_answers_5xx_and_keeps_serving(
+    stack, llm_model, served, data, method
+):
+    path, body = data.draw(llm_route_requests(llm_model["name"]))
+    url = f"http://127.0.0.1:{stack.serve_port}/{ROUTE}{path}"
+    headers = {"content-type": "application/json"}
+    response = requests.request(method, url, data=body, headers=headers, timeout=60)
+    event(f"{path.split('?')[0][:16]} {response.status_code}")
+    assert_contract(response.status_code, response.content, response.headers)
+    after = completion(stack.serve_port, llm_model["name"], max_tokens=1)
+    assert after.status_code == 200 and after.headers["X-Model-Version"] == served, after.text
+
+
+def test_the_models_list_and_health_through_the_router_name_the_live_version(
+    stack, llm_model, served
+):
+    base = f"http://127.0.0.1:{stack.serve_port}/{ROUTE}"
+    models = requests.get(f"{base}/v1/models", timeout=30)
+    assert models.status_code == 200 and models.headers["X-Model-Version"] == served
+    (model,) = models.json()["data"]
+    assert (model["id"], model["version"]) == (llm_model["name"], served)
+    health = requests.get(f"{base}/health", timeout=30)
+    assert health.status_code == 200 and health.headers["X-Model-Version"] == served
