@@ -8,9 +8,22 @@ import struct
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlsplit
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 JSON_TYPE = "application/json"
+
+# Fuzzing a running service: its module-scoped services sit behind function-scoped fixtures,
+# each example waits on real requests, and generated bodies may be large.
+LIVE_FUZZ = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ],
+)
 RAW_TYPE = "application/octet-stream"
 
 

@@ -27,6 +27,7 @@ from http_fuzz import (
     policy_requests,
     status_window_of,
 )
+from http_fuzz import LIVE_FUZZ as SERVICE_FUZZ
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
@@ -146,15 +147,7 @@ def test_the_status_window_is_whole_seconds_within_the_figures_kept_or_a_400(val
 # ---- the live route: a router and a version app on the session's Ray head -----------------
 
 ROUTE = "contract-test"  # tests/test_rollout.py owns policy-test
-LIVE_FUZZ = settings(
-    max_examples=80,
-    deadline=None,
-    suppress_health_check=[
-        HealthCheck.function_scoped_fixture,
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-    ],
-)
+LIVE_FUZZ = settings(SERVICE_FUZZ, max_examples=80)
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import requests
-from http_fuzz import METHODS, assert_contract, openai_requests
-from hypothesis import HealthCheck, event, given, settings
+from http_fuzz import LIVE_FUZZ, METHODS, assert_contract, openai_requests
+from hypothesis import event, given
 from hypothesis import strategies as st
 from mlflow import MlflowClient
 
@@ -264,18 +264,7 @@ def llm_route_requests(draw, model: str) -> tuple[str, bytes]:
     return path + suffix, draw(st.binary(max_size=64))
 
 
-FUZZ = settings(
-    max_examples=60,
-    deadline=None,
-    suppress_health_check=[
-        HealthCheck.function_scoped_fixture,
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-    ],
-)
-
-
-@FUZZ
+@LIVE_FUZZ
 @given(data=st.data(), method=METHODS)
 def test_the_llm_route_through_the_router_never_answers_5xx_and_keeps_serving(
     stack, llm_model, served, data, method

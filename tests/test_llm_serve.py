@@ -10,8 +10,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from http_fuzz import METHODS, assert_contract, openai_requests
-from hypothesis import HealthCheck, event, given, settings
+from http_fuzz import LIVE_FUZZ, METHODS, assert_contract, openai_requests
+from hypothesis import event, given
 
 from prefect_ray_lifecycle.workloads.constants import llm_python
 from prefect_ray_lifecycle.workloads.llm import (
@@ -332,15 +332,7 @@ def test_health_check_generates_and_stats_feed_the_canary(serve_apps):
     assert stats["latency_ms"]["p50"] >= stats["ttft_ms"]["p50"]
 
 
-@settings(
-    max_examples=60,
-    deadline=None,
-    suppress_health_check=[
-        HealthCheck.function_scoped_fixture,
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-    ],
-)
+@LIVE_FUZZ
 @given(request=openai_requests(SERVED_NAME, max_tokens=4), method=METHODS)
 def test_the_openai_routes_never_answer_5xx_and_keep_serving(serve_apps, request, method):
     import requests

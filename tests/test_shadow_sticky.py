@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import ray
 import requests
-from http_fuzz import JSON_VALUES, PRINTABLE, assert_contract, mostly
-from hypothesis import HealthCheck, event, given, settings
+from http_fuzz import JSON_VALUES, LIVE_FUZZ, PRINTABLE, assert_contract, mostly
+from hypothesis import event, given
 from hypothesis import strategies as st
 from mlflow import MlflowClient
 
@@ -326,11 +326,7 @@ def test_a_candidate_hanging_past_the_request_timeout_costs_shadowed_users_nothi
 
 # ---- the new headers and fields, fuzzed on a route held by a rollout ------------------------
 
-FUZZ = settings(
-    max_examples=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+FUZZ = LIVE_FUZZ
 # ASCII: Serve's proxy (Ray 2.60) decodes X-Session-Id and X-Request-Id itself as UTF-8 and
 # answers a plain 500 for other bytes, and uvicorn refuses DEL with a plain 400, both before
 # the router sees the request (docs/serving.md, the HTTP contract).
