@@ -92,10 +92,10 @@ def window_latencies(load: OpenLoop, skip_s: float = 1.0) -> tuple[float, float]
 
 
 def shadow_cost(
-    port: int, name: str, live: str, shadow_s: float, rounds: int, load: float = 0.5
+    port: int, name: str, live: str, shadow_s: float, rounds: int, share: float = 0.5
 ) -> dict[str, Any]:
     """Users' latency with every request copied to an identical candidate, against the same
-    open-loop load (`load` of the measured capacity) without copies, in alternating windows.
+    open-loop load (`share` of the measured capacity) without copies, in alternating windows.
     Both kinds of window run under a held rollout with the candidate in place, its config
     applied on every router replica before the window starts: stage `shadow` with the copies,
     without them a canary at weight 0 (no user traffic to the candidate, no copies), so that
@@ -106,7 +106,7 @@ def shadow_cost(
     from prefect_ray_lifecycle.workloads.serve.router_config import Shadow, Target
 
     capacity, _ = steady(port, f"/{ROUTE}", 4, 5.0)
-    rate = capacity * load
+    rate = capacity * share
     router = serve_control.current_router(ROUTE)
     candidate = Target(live, SHADOW_CANDIDATE, "policy", router.live.model)
     shadow = Shadow(1.0, max_per_s=rate * 2)  # the cap above the load: every request copied

@@ -12,6 +12,7 @@ import json
 import struct
 import time
 
+import http_fuzz
 import pytest
 from http_fuzz import (
     JSON_TYPE,
@@ -27,7 +28,6 @@ from http_fuzz import (
     policy_requests,
     status_window_of,
 )
-from http_fuzz import LIVE_FUZZ as SERVICE_FUZZ
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
@@ -147,7 +147,7 @@ def test_the_status_window_is_whole_seconds_within_the_figures_kept_or_a_400(val
 # ---- the live route: a router and a version app on the session's Ray head -----------------
 
 ROUTE = "contract-test"  # tests/test_rollout.py owns policy-test
-LIVE_FUZZ = settings(SERVICE_FUZZ, max_examples=80)
+LIVE_FUZZ = settings(http_fuzz.LIVE_FUZZ, max_examples=80)  # more examples than the profile
 
 
 @pytest.fixture(scope="module")

@@ -326,7 +326,6 @@ def test_a_candidate_hanging_past_the_request_timeout_costs_shadowed_users_nothi
 
 # ---- the new headers and fields, fuzzed on a route held by a rollout ------------------------
 
-FUZZ = LIVE_FUZZ
 # ASCII: Serve's proxy (Ray 2.60) decodes X-Session-Id and X-Request-Id itself as UTF-8 and
 # answers a plain 500 for other bytes, and uvicorn refuses DEL with a plain 400, both before
 # the router sees the request (docs/serving.md, the HTTP contract).
@@ -354,7 +353,7 @@ def held_by_a_fuzzer(stage: str):
 def test_new_headers_and_fields_never_get_a_5xx_and_the_route_stays_healthy(route, gated, stage):
     session = requests.Session()
 
-    @FUZZ
+    @LIVE_FUZZ
     @given(
         headers=st.dictionaries(
             st.sampled_from([SESSION_HEADER, CANARY_HEADER, CANARY_TOKEN_HEADER]),

@@ -239,7 +239,6 @@ def policy_copy(rows: int, role: str = "candidate", seed: int = 0, target=CANDID
     live = {
         "actions": [int(row[0] > 0) for row in observations],
         "observations": observations.tobytes(),
-        "rows": rows,
     }
     sent = {**request(body=b'{"observations": "as the user sent them"}'), "shadow": True}
     return Copy(Target.parse(target), role, sent, live, 3.0, 1.0)

@@ -278,7 +278,6 @@ class PolicyCore:
                     "probabilities": None if probabilities is None else probabilities.tolist(),
                     # as parsed: the shadow sends many copies to the candidate as one batch
                     "observations": observations.astype("<f4", copy=False).tobytes(),
-                    "rows": len(observations),
                 }
             return answer
         except BadRequest as error:

@@ -372,15 +372,15 @@ class Mirror:
 
 
 def _observations(copy: Copy) -> tuple[bytes, int] | None:
-    """A policy copy's observations as live parsed them (float32 bytes, rows), or None when
-    the copy cannot share a call."""
+    """A policy copy's observations as live parsed them (float32 bytes, and their rows: one per
+    action live gave), or None when the copy cannot share a call."""
     live = copy.live
     if copy.target.kind != "policy" or not isinstance(live, dict):
         return None
-    data, rows = live.get("observations"), live.get("rows")
-    if not isinstance(data, bytes) or not isinstance(rows, int) or rows < 1:
+    data, actions = live.get("observations"), live.get("actions")
+    if not isinstance(data, bytes) or not isinstance(actions, list) or not actions:
         return None
-    return data, rows
+    return data, len(actions)
 
 
 def _rows(extras: dict[str, Any], start: int, rows: int) -> dict[str, Any]:
