@@ -157,6 +157,13 @@ def with_user_config(
     return {**app_config, "deployments": deployments}
 
 
+def alive_nodes() -> int:
+    """How many nodes of the connected Ray cluster are alive."""
+    import ray
+
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
+
+
 def details() -> dict[str, Any]:
     return ray_internals.serve_client().get_serve_details()
 

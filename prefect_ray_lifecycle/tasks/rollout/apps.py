@@ -133,11 +133,12 @@ def route_context(
     """The route as a rollout holding `claim` writes it (`gates` gives the router's request
     timeout and fallback). An LLM route's router runs in the LLM venv when it hosts the live
     version (`llm.host_in_router`)."""
-    runtime_env, options = serving_runtime_env(cluster), serving.router_options()
+    runtime_env = serving_runtime_env(cluster)
+    options = serving.router_options(serve_control.alive_nodes())
     router_env, host_llm = runtime_env, False
     if kind == "llm":
         llm = llm or LLMServing()
-        router_env, options = llm.router_serving(runtime_env, options)
+        router_env, options = llm.router_serving(runtime_env, options, serving.router_replicas)
         host_llm = llm.host_in_router
     return RouteContext(
         route=route,

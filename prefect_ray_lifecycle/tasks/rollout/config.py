@@ -241,6 +241,11 @@ class Gates(BaseModel):
         )
 
 
+# Router replicas where `Serving.router_replicas` is empty and the cluster has several nodes:
+# Serve spreads them over nodes, so losing one node leaves a router answering.
+AUTO_ROUTER_REPLICAS = 2
+
+
 class Serving(BaseModel):
     """How a version's Serve application runs (each version is its own app)."""
 
@@ -261,7 +266,13 @@ class Serving(BaseModel):
     health_check_period_s: float = Field(2.0, gt=0, description="Serve health-check period.")
     health_check_timeout_s: float = Field(10.0, gt=0, description="Serve health-check timeout.")
     max_ongoing_requests: int = Field(32, ge=1, description="Concurrent requests per replica.")
-    router_replicas: int = Field(1, ge=1, description="Replicas of the route's router.")
+    router_replicas: int | None = Field(
+        None,
+        ge=1,
+        description="Replicas of the route's router; empty: 2 where the Ray cluster has more "
+        "than one alive node (a router replica dies with its node), else 1. An LLM route's "
+        "router that hosts the engine takes an LLM replica's resources each: 1 unless set.",
+    )
     router_num_cpus: float = Field(0.25, ge=0, description="CPUs per router replica.")
 
     def version_options(self) -> dict[str, Any]:
@@ -272,8 +283,10 @@ class Serving(BaseModel):
         serving_options(options)  # raises ValueError naming a bad option
         return options
 
-    def router_options(self) -> dict[str, Any]:
-        return {"num_replicas": self.router_replicas, "num_cpus": self.router_num_cpus}
+    def router_options(self, alive_nodes: int = 1) -> dict[str, Any]:
+        """The router app's {num_replicas, num_cpus} on a cluster of `alive_nodes` nodes."""
+        replicas = self.router_replicas or (AUTO_ROUTER_REPLICAS if alive_nodes > 1 else 1)
+        return {"num_replicas": replicas, "num_cpus": self.router_num_cpus}
 
 
 class LLMServing(BaseModel):
@@ -306,12 +319,18 @@ class LLMServing(BaseModel):
     )
 
     def router_serving(
-        self, runtime_env: dict[str, Any], router_options: dict[str, Any]
+        self,
+        runtime_env: dict[str, Any],
+        router_options: dict[str, Any],
+        router_replicas: int | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The runtime_env and options of an LLM route's router: as a policy route's unless
-        it hosts the live version, then in the LLM venv with an LLM replica's resources."""
+        it hosts the live version, then in the LLM venv with an LLM replica's resources (one
+        replica unless `router_replicas`, the Serving setting, asks for more)."""
         if not self.host_in_router:
             return runtime_env, router_options
+        if router_replicas is None:  # each replica would load its own engine
+            router_options = {**router_options, "num_replicas": 1}
         env = engine_runtime_env(
             EngineSettings.model_validate(self.engine),
             self.python,

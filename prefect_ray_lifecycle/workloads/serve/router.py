@@ -95,6 +95,7 @@ class Router:
         self.state = RouteStateClient(route, shadow=self.mirror)
         self._lock = threading.Lock()
         self._background: asyncio.Task | None = None
+        self.replica = serve.get_replica_context().replica_id.unique_id
 
     def reconfigure(self, config: dict[str, Any]) -> None:
         # Serve stops a replica whose reconfigure raises, and calls this twice on a new
@@ -196,6 +197,7 @@ class Router:
             shown["testers"]["token_sha256"] = "set"
         return {
             "route": self.route,
+            "replica": self.replica,  # which of the router's replicas answered
             "config": shown,
             "candidate_share": share,
             "lease": {
