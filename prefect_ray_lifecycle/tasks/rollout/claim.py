@@ -117,20 +117,30 @@ def hold_route(route: str, holder: str, lease_s: float) -> Iterator[RouteClaim]:
     claim = _acquire(route, holder, lease_s, actor)
     token = _HELD.set({**held, route: claim})
     stop = threading.Event()
-    # The thread runs in a copy of this context: Prefect's settings (its API URL) live in
-    # context variables, and a bare thread would talk to a temporary server instead.
-    renewer = threading.Thread(
-        target=contextvars.copy_context().run,
-        args=(_renew, claim, actor, stop),
-        name=f"route-lease-{route}",
-        daemon=True,
-    )
-    renewer.start()
+    # Two threads: the route's lease (Ray) never waits on Prefect, whose client retries a call
+    # for about a minute while its server is down (the lease would lapse meanwhile). Each runs
+    # in a copy of this context: Prefect's settings (its API URL) live in context variables,
+    # and a bare thread would talk to a temporary server instead.
+    renewers = [
+        threading.Thread(
+            target=contextvars.copy_context().run,
+            args=args,
+            name=f"{what}-{route}",
+            daemon=True,
+        )
+        for what, args in (
+            ("route-lease", (_renew, claim, actor, stop)),
+            ("route-slot", (_renew_slot, claim, stop)),
+        )
+    ]
+    for renewer in renewers:
+        renewer.start()
     try:
         yield claim
     finally:
         stop.set()
-        renewer.join(timeout=5)
+        for renewer in renewers:
+            renewer.join(timeout=5)
         _HELD.reset(token)
         with contextlib.suppress(Exception):  # a dead cluster lets nothing be released
             ray.get(actor.release.remote(holder), timeout=10)
@@ -235,11 +245,10 @@ def _release_slot(lease_id: uuid.UUID | None) -> None:
 
 
 def _renew(claim: RouteClaim, actor: Any, stop: threading.Event) -> None:
-    """Renew the route lease every third of its length and the slot's well before its
-    expiry; mark the claim lost when the route lease is no longer ours."""
+    """Renew the route lease every third of its length; mark the claim lost when the route
+    lease is no longer ours."""
     every = claim.lease_s / 3
     last_ok = time.monotonic()
-    last_slot = time.monotonic()
     while not stop.wait(every):
         try:
             if not ray.get(actor.renew.remote(claim.holder, claim.lease_s), timeout=every):
@@ -251,13 +260,17 @@ def _renew(claim: RouteClaim, actor: Any, stop: threading.Event) -> None:
             if time.monotonic() - last_ok > claim.lease_s:
                 claim.lost.set()
                 return
-        if claim.slot_lease_id is not None and time.monotonic() - last_slot > SLOT_LEASE_S / 4:
-            try:
-                with get_client(sync_client=True) as client:
-                    client.renew_concurrency_lease(claim.slot_lease_id, SLOT_LEASE_S)
-                last_slot = time.monotonic()
-            except Exception as error:
-                logger.warning("could not renew route %s's slot: %r", claim.route, error)
+
+
+def _renew_slot(claim: RouteClaim, stop: threading.Event) -> None:
+    """Renew the route's Prefect concurrency slot well before its expiry. While Prefect is
+    down the slot may expire; the route's lease (in Ray) still keeps other rollouts out."""
+    while claim.slot_lease_id is not None and not stop.wait(SLOT_LEASE_S / 4):
+        try:
+            with get_client(sync_client=True) as client:
+                client.renew_concurrency_lease(claim.slot_lease_id, SLOT_LEASE_S)
+        except Exception as error:
+            logger.warning("could not renew route %s's slot: %r", claim.route, error)
 
 
 def run_and_subflows(client: Any, run_id: uuid.UUID) -> list[Any]:
