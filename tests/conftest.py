@@ -41,7 +41,7 @@ GROUP_S = {
     "test_ray_client": 148,
     "test_pipeline_deployment": 143,
     "test_multinode": 131,
-    "test_outages": 135,
+    "test_outages": 170,
     "test_ray_connection": 99,
     "test_register": 92,
     "test_tune_sweep": 86,

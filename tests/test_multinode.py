@@ -247,7 +247,7 @@ def test_a_node_lost_during_a_canary_is_caught_by_the_gates_and_no_user_sees_it(
             observation_size=4,
         )
     # One router replica, on the head (with two nodes the default is two, spread over both):
-    # this test loses the candidate's node, not a router (test_shadow_sticky kills one).
+    # this test loses the candidate's node, not a router (test_outages kills one).
     on_head = Serving(num_cpus=0.1, health_check_period_s=1, router_num_cpus=0.1, router_replicas=1)
     on_node = on_head.model_copy(update={"resources": {WORKER_RESOURCE: 1}})
     gates = Gates(

@@ -1,19 +1,28 @@
-"""The Prefect server down for 30 s while a rollout is in its canary (#26): the route's lease
-lives in Ray and is still renewed, so the candidate keeps its share under a living holder; no
-user's answer fails; once Prefect is back the rollout goes on (Prefect's client retries its
-calls for about a minute) and its flow run ends Completed, as it really ended.
+"""Faults while a rollout is in its canary, on a route whose router runs on two replicas
+(#26); the flows run in this process, on the session's services:
 
-The session's own Prefect server is stopped and started again on the same state folder and
-port (as `deployments.local` restarts it); the flow runs in this process."""
+- a router replica killed (kill -9): only the requests it held at that instant may fail,
+  none sent after; both replicas agree on the lease, the share and the figures, Serve
+  replaces the dead one and the rollout still swaps;
+- the Prefect server down for 30 s: the route's lease lives in Ray and is still renewed, so
+  the candidate keeps its share under a living holder; no user's answer fails; once Prefect
+  is back the rollout goes on (Prefect's client retries a call for about a minute) and its
+  flow run ends Completed, as it really ended. The session's server is stopped and started
+  again on the same state folder and port, as `deployments.local` restarts it."""
 
 from __future__ import annotations
 
 import contextvars
+import json
+import os
+import signal
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
+import requests
 from mlflow import MlflowClient
 
 from deployments import local
@@ -23,37 +32,40 @@ from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.flows.rollout import serve_rollout
 from prefect_ray_lifecycle.tasks.rollout.config import Gates, Serving
+from prefect_ray_lifecycle.workloads.serve.route_state import route_figures
 
 pytestmark = pytest.mark.slow
 
 ROUTE = "outage"
 OUTAGE_S = 30
-LEASE_S = 5.0
 SERVING = Serving(
-    num_cpus=0.1, router_num_cpus=0.1, health_check_period_s=1, health_check_timeout_s=5
+    num_cpus=0.1,
+    health_check_period_s=1,
+    health_check_timeout_s=5,
+    router_num_cpus=0.1,
+    router_replicas=2,
 )
-# The canary step outlasts the outage: Prefect is stopped as soon as the candidate has its
-# share, so the step is still running when Prefect comes back.
 GATES = Gates(
     health_timeout_s=120,
     stability_window_s=2,
     canary_steps=[0.5],
-    canary_hold_s=OUTAGE_S + 15,
-    canary_max_wait_s=OUTAGE_S + 120,
+    canary_hold_s=6,
+    canary_max_wait_s=120,
     bake_s=3,
     bake_window_s=2,
     max_error_rate=0.05,
     max_p99_ms=5000,
     p99_slack_ms=3000,
-    lease_s=LEASE_S,
+    lease_s=5.0,
 )
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def route(stack, checkpoints):
+    """v1 live on the route, two more versions of the same policy to roll out."""
     name = f"outage-{uuid.uuid4().hex[:6]}"
     client = MlflowClient(stack.mlflow_uri)
-    for trial in range(2):
+    for trial in range(3):
         registry.register_checkpoint(
             client,
             name=name,
@@ -66,7 +78,6 @@ def route(stack, checkpoints):
     common = dict(
         model_name=name,
         route=ROUTE,
-        gates=GATES,
         serving=SERVING,
         ray_cluster=cluster,
         mlflow_server=MLflowServer(tracking_uri=stack.mlflow_uri),
@@ -74,42 +85,141 @@ def route(stack, checkpoints):
     with cluster.connect():
         serve_control.start(cluster.serve_host, cluster.serve_port)
         try:
-            assert serve_rollout(version="1", **common).outcome == "first_rollout"
-            yield {"client": client, "name": name, "common": common}
+            assert serve_rollout(version="1", gates=GATES, **common).outcome == "first_rollout"
+            yield {
+                "client": client,
+                "name": name,
+                "common": common,
+                "port": cluster.serve_port,
+                "url": f"http://127.0.0.1:{cluster.serve_port}/{ROUTE}",
+            }
         finally:
             serve_control.release()
             serve_control.delete_route(ROUTE, name)
             client.delete_registered_model(name)
 
 
+def observations(n: int) -> tuple[bytes, dict[str, str]]:
+    """The n-th request: varied CartPole observations."""
+    rng = np.random.default_rng(n)
+    return json.dumps({"observations": rng.uniform(-0.5, 0.5, (4, 4)).tolist()}).encode(), {}
+
+
+def replica_statuses(route, count: int = 2, window_s: int | None = None) -> dict[str, dict]:
+    """`-/status` as each of `count` router replicas answers it, by replica id (the proxy
+    picks the replica: ask until each has answered)."""
+    found: dict[str, dict] = {}
+    url = f"{route['url']}/-/status" + (f"?window_s={window_s}" if window_s else "")
+
+    def all_answered():
+        status = requests.get(url, timeout=30).json()
+        found[status["replica"]] = status
+        return len(found) >= count
+
+    wait_for(f"{count} router replicas answer -/status", all_answered, 60, every=0.05)
+    return found
+
+
+def running_routers() -> dict[str, int]:
+    """{replica id: pid} of the route's router replicas Serve reports RUNNING."""
+    app = serve_control.details()["applications"][serve_control.router_app_name(ROUTE)]
+    replicas = app["deployments"]["Router"]["replicas"]
+    return {r["replica_id"]: r["pid"] for r in replicas if str(r["state"]).endswith("RUNNING")}
+
+
+def test_a_router_replica_killed_in_a_canary_fails_only_what_it_held_and_both_agree(route):
+    users = ClosedLoop(route["port"], f"/{ROUTE}", threads=4, pause_s=0.05, requests=observations)
+    canary = GATES.model_copy(update={"canary_min_requests": 60})
+    with users, ThreadPoolExecutor(1) as pool:
+        started = time.time()
+        running = pool.submit(
+            contextvars.copy_context().run,
+            serve_rollout,
+            version="2",
+            gates=canary,
+            **route["common"],
+        )
+
+        def both_in_the_canary():
+            assert not running.done(), running.result()
+            seen = replica_statuses(route)
+            return all(s["candidate_share"] == 0.5 for s in seen.values()) and seen
+
+        seen = wait_for("both replicas give v2 half", both_in_the_canary, 240, every=0.2)
+        # The same rollout, lease and configuration on both.
+        assert len({s["lease"]["holder"] for s in seen.values()}) == 1
+        assert all(s["lease"]["held"] and s["serving"] == "as configured" for s in seen.values())
+        assert len({json.dumps(s["config"], sort_keys=True) for s in seen.values()}) == 1
+        before = running_routers()
+        assert set(before) == set(seen), (before, seen)
+        victim = sorted(before)[0]
+        figures_until = time.time() - 2  # reports of both replicas flushed by then
+        os.kill(before[victim], signal.SIGKILL)
+        killed = time.time()
+        result = running.result(timeout=300)
+        time.sleep(1)
+    assert result.outcome == "promoted", result
+    # Only requests the killed replica held at the kill may have failed: each failure was
+    # sent before it and answered after it; nothing sent after the kill failed.
+    held_at_kill = [a for a in users.answers if a.at - a.latency_ms / 1000 < killed <= a.at]
+    assert all(a in held_at_kill for a in users.failed()), (users.failed()[:3], killed)
+    after = [a for a in users.answers if a.at - a.latency_ms / 1000 > killed]
+    assert after and all(a.status == 200 for a in after)
+    assert {a.version for a in after} >= {"2"}
+    print(f"killed router replica: {len(users.failed())} failed of {len(held_at_kill)} in flight")
+    # The route's figures hold both replicas' reports: about every answer users got, not the
+    # half that one replica gave.
+    answered = [a for a in users.answers if started <= a.at <= figures_until]
+    counted = sum(f["requests"] for f in route_figures(ROUTE, started, figures_until).values())
+    assert 0.8 * len(answered) <= counted <= 1.1 * len(answered), (counted, len(answered))
+    # Serve replaced the killed replica; both replicas serve v2 alone, with the same figures.
+    now = replica_statuses(route, window_s=60)
+    assert victim not in now and set(now) == set(running_routers()), (victim, now)
+    for status in now.values():
+        assert status["config"]["live"]["version"] == "2" and status["config"]["rollout"] is None
+        assert status["candidate_share"] == 0.0
+    versions = [set(s["figures"]["versions"]) for s in now.values()]
+    assert versions[0] == versions[1] and "2" in versions[0], versions
+
+
 def test_prefect_down_for_30_s_mid_canary_costs_no_answer_and_the_run_ends_true(
     stack, route, prefect_client
 ):
-    port, prefect = stack.serve_port, stack.service("prefect")
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    port, prefect = route["port"], stack.service("prefect")
+    # The canary step outlasts the outage: Prefect is stopped as soon as the candidate has
+    # its share, so the step still runs when Prefect comes back.
+    gates = GATES.model_copy(
+        update={"canary_hold_s": OUTAGE_S + 15, "canary_max_wait_s": OUTAGE_S + 120}
+    )
     seen: list[dict] = []
     with (
         ClosedLoop(port, f"/{ROUTE}", pause_s=LOAD_PAUSE_S) as traffic,
         ThreadPoolExecutor(1) as pool,
     ):
         running = pool.submit(
-            contextvars.copy_context().run, serve_rollout, version="2", **route["common"]
+            contextvars.copy_context().run,
+            serve_rollout,
+            version="3",
+            gates=gates,
+            **route["common"],
         )
 
         def in_canary():
             assert not running.done(), running.result()
             return route_status(port, ROUTE)["candidate_share"] > 0
 
-        wait_for("the canary gives v2 a share", in_canary, 240)
+        wait_for("the canary gives v3 a share", in_canary, 240)
         local.stop(prefect)
         try:
             # Prefect is down: the route's lease is renewed in Ray all along, so the share
-            # stays, under a holder that is alive.
+            # stays, under a holder that is alive (whichever router replica answers).
             until = time.monotonic() + OUTAGE_S
             while time.monotonic() < until:
                 status = route_status(port, ROUTE)
-                seen.append(
-                    {"at": time.time(), "share": status["candidate_share"], **status["lease"]}
-                )
+                share = status["candidate_share"]
+                seen.append({"at": time.time(), "share": share, **status["lease"]})
                 time.sleep(1)
         finally:
             assert local.start(prefect).startswith("started")
@@ -120,13 +230,11 @@ def test_prefect_down_for_30_s_mid_canary_costs_no_answer_and_the_run_ends_true(
     assert not off, (off, seen[0]["at"], result.timeline)
     assert result.outcome == "promoted", result
     assert traffic.failed() == [], traffic.failed()[:3]
-    assert traffic.versions() == {"1", "2"}
-    assert registry.resolve_alias(route["client"], route["name"], registry.LIVE).version == "2"
+    assert traffic.versions() == {"2", "3"}
+    assert registry.resolve_alias(route["client"], route["name"], registry.LIVE).version == "3"
     # Prefect's record is true once it is back: the run Completed, and so did its canary.
     run = prefect_client.read_flow_run(uuid.UUID(result.flow_run_id))
     assert run.state.is_completed(), run.state
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
     tasks = prefect_client.read_task_runs(
         flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))
     )
