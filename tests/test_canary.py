@@ -200,7 +200,7 @@ def test_faults_and_serving_options_are_validated():
 
 
 def test_the_router_runs_two_replicas_where_the_cluster_has_several_nodes():
-    from prefect_ray_lifecycle.tasks.rollout.config import LLMServing, Serving
+    from prefect_ray_lifecycle.tasks.rollout.config import Serving
 
     auto = Serving(router_num_cpus=0.1)
     assert auto.router_options(alive_nodes=1) == {"num_replicas": 1, "num_cpus": 0.1}
@@ -208,9 +208,6 @@ def test_the_router_runs_two_replicas_where_the_cluster_has_several_nodes():
     assert Serving(router_replicas=3).router_options(alive_nodes=1)["num_replicas"] == 3
     assert Serving(router_replicas=1).router_options(alive_nodes=3)["num_replicas"] == 1
     # A router hosting an LLM engine loads one per replica: one unless asked for more.
-    hosting = LLMServing(host_in_router=True, num_cpus=1.0)
-    options = auto.router_options(alive_nodes=3)
-    assert hosting.router_serving({}, options)[1]["num_replicas"] == 1
-    assert hosting.router_serving({}, options, router_replicas=2)[1]["num_replicas"] == 2
-    forwarding = LLMServing(host_in_router=False)
-    assert forwarding.router_serving({}, options)[1]["num_replicas"] == 2
+    assert auto.router_options(alive_nodes=3, hosts_engine=True)["num_replicas"] == 1
+    two = Serving(router_replicas=2).router_options(alive_nodes=3, hosts_engine=True)
+    assert two["num_replicas"] == 2

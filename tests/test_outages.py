@@ -12,13 +12,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
 import os
 import signal
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -105,6 +107,20 @@ def observations(n: int) -> tuple[bytes, dict[str, str]]:
     return json.dumps({"observations": rng.uniform(-0.5, 0.5, (4, 4)).tolist()}).encode(), {}
 
 
+@contextlib.contextmanager
+def rolling_out(route, version: str, gates: Gates) -> Iterator[Future]:
+    """serve_rollout of `version` on the route, in a thread running a copy of this context
+    (Prefect's settings live in context variables); yields its future."""
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(
+            contextvars.copy_context().run,
+            serve_rollout,
+            version=version,
+            gates=gates,
+            **route["common"],
+        )
+
+
 def replica_statuses(route, count: int = 2, window_s: int | None = None) -> dict[str, dict]:
     """`-/status` as each of `count` router replicas answers it, by replica id (the proxy
     picks the replica: ask until each has answered)."""
@@ -130,15 +146,8 @@ def running_routers() -> dict[str, int]:
 def test_a_router_replica_killed_in_a_canary_fails_only_what_it_held_and_both_agree(route):
     users = ClosedLoop(route["port"], f"/{ROUTE}", threads=4, pause_s=0.05, requests=observations)
     canary = GATES.model_copy(update={"canary_min_requests": 60})
-    with users, ThreadPoolExecutor(1) as pool:
-        started = time.time()
-        running = pool.submit(
-            contextvars.copy_context().run,
-            serve_rollout,
-            version="2",
-            gates=canary,
-            **route["common"],
-        )
+    started = time.time()
+    with users, rolling_out(route, "2", canary) as running:
 
         def both_in_the_canary():
             assert not running.done(), running.result()
@@ -196,15 +205,8 @@ def test_prefect_down_for_30_s_mid_canary_costs_no_answer_and_the_run_ends_true(
     seen: list[dict] = []
     with (
         ClosedLoop(port, f"/{ROUTE}", pause_s=LOAD_PAUSE_S) as traffic,
-        ThreadPoolExecutor(1) as pool,
+        rolling_out(route, "3", gates) as running,
     ):
-        running = pool.submit(
-            contextvars.copy_context().run,
-            serve_rollout,
-            version="3",
-            gates=gates,
-            **route["common"],
-        )
 
         def in_canary():
             assert not running.done(), running.result()

@@ -134,11 +134,13 @@ def route_context(
     timeout and fallback). An LLM route's router runs in the LLM venv when it hosts the live
     version (`llm.host_in_router`)."""
     runtime_env = serving_runtime_env(cluster)
-    options = serving.router_options(serve_control.alive_nodes())
+    llm = llm or LLMServing()
+    options = serving.router_options(
+        serve_control.alive_nodes(), hosts_engine=kind == "llm" and llm.host_in_router
+    )
     router_env, host_llm = runtime_env, False
     if kind == "llm":
-        llm = llm or LLMServing()
-        router_env, options = llm.router_serving(runtime_env, options, serving.router_replicas)
+        router_env, options = llm.router_serving(runtime_env, options)
         host_llm = llm.host_in_router
     return RouteContext(
         route=route,

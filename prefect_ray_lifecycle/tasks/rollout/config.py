@@ -283,9 +283,11 @@ class Serving(BaseModel):
         serving_options(options)  # raises ValueError naming a bad option
         return options
 
-    def router_options(self, alive_nodes: int = 1) -> dict[str, Any]:
-        """The router app's {num_replicas, num_cpus} on a cluster of `alive_nodes` nodes."""
-        replicas = self.router_replicas or (AUTO_ROUTER_REPLICAS if alive_nodes > 1 else 1)
+    def router_options(self, alive_nodes: int = 1, hosts_engine: bool = False) -> dict[str, Any]:
+        """The router app's {num_replicas, num_cpus} on a cluster of `alive_nodes` nodes; a
+        router that `hosts_engine` (an LLM's) loads one per replica: 1 unless set."""
+        several = alive_nodes > 1 and not hosts_engine
+        replicas = self.router_replicas or (AUTO_ROUTER_REPLICAS if several else 1)
         return {"num_replicas": replicas, "num_cpus": self.router_num_cpus}
 
 
@@ -319,18 +321,12 @@ class LLMServing(BaseModel):
     )
 
     def router_serving(
-        self,
-        runtime_env: dict[str, Any],
-        router_options: dict[str, Any],
-        router_replicas: int | None = None,
+        self, runtime_env: dict[str, Any], router_options: dict[str, Any]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The runtime_env and options of an LLM route's router: as a policy route's unless
-        it hosts the live version, then in the LLM venv with an LLM replica's resources (one
-        replica unless `router_replicas`, the Serving setting, asks for more)."""
+        it hosts the live version, then in the LLM venv with an LLM replica's resources."""
         if not self.host_in_router:
             return runtime_env, router_options
-        if router_replicas is None:  # each replica would load its own engine
-            router_options = {**router_options, "num_replicas": 1}
         env = engine_runtime_env(
             EngineSettings.model_validate(self.engine),
             self.python,
