@@ -6,8 +6,9 @@ drilled-bad candidates are rolled out in turn, one after the other, for `--minut
 Reports the answers that failed (`non_2xx`, goal 0), the rollouts done (promoted and
 rejected), the resident memory of the router's replicas, the route's state actor and the
 webhook receiver at the start and at the end (`router_rss_growth_mb`, goal <= 50 over 30
-minutes), and the Serve apps left over besides the route's router and its live version's
-app (`leftover_apps`, goal 0). Its peer is the same route at rest: the memory at the start,
+minutes; the routers' after each rollout too, to tell growth from a plateau), and the Serve
+apps left over besides the route's router and its live version's app (`leftover_apps`,
+goal 0). Its peer is the same route at rest: the memory at the start,
 after the first rollout, is the baseline. Last line: one JSON object.
 """
 
@@ -145,9 +146,11 @@ def run(stack, minutes: float, threads: int) -> dict[str, Any]:
             start = memory(stack, router_class)
             started = time.monotonic()
             good = False
+            samples = []  # the routers' RSS after each rollout: growth or a plateau
             while time.monotonic() - started < minutes * 60:
                 rollout(None if good else bad)
                 good = not good
+                samples.append(memory(stack, router_class)["router_rss_mb"])
             end = memory(stack, router_class)
         apps = set(serve_control.app_configs())
         live = registry.resolve_alias(client, name, registry.LIVE)
@@ -168,6 +171,7 @@ def run(stack, minutes: float, threads: int) -> dict[str, Any]:
         "router_rss_end_mb": end["router_rss_mb"],
         "router_rss_growth_mb": round(end["router_rss_mb"] - start["router_rss_mb"], 1),
         "router_replaced": start["router_pids"] != end["router_pids"],
+        "router_rss_after_each_rollout_mb": samples,
         "route_state_rss_growth_mb": round(
             end["route_state_rss_mb"] - start["route_state_rss_mb"], 1
         ),
