@@ -265,7 +265,9 @@ def _renew(claim: RouteClaim, actor: Any, stop: threading.Event) -> None:
 def _renew_slot(claim: RouteClaim, stop: threading.Event) -> None:
     """Renew the route's Prefect concurrency slot well before its expiry. While Prefect is
     down the slot may expire; the route's lease (in Ray) still keeps other rollouts out."""
-    while claim.slot_lease_id is not None and not stop.wait(SLOT_LEASE_S / 4):
+    if claim.slot_lease_id is None:
+        return
+    while not stop.wait(SLOT_LEASE_S / 4):
         try:
             with get_client(sync_client=True) as client:
                 client.renew_concurrency_lease(claim.slot_lease_id, SLOT_LEASE_S)
