@@ -43,6 +43,11 @@ MLFLOW_WEBHOOK_CACHE_TTL_S = 1
 RAY_DASHBOARD_PORT = 8265
 # The head's limit on workers before idle ones are killed (Ray's default: its CPUs).
 WORKERS_SOFT_LIMIT_ENV, WORKERS_SOFT_LIMIT = "RAY_num_workers_soft_limit", "32"
+# Ray 2.60's `ray start --block` drains its node on SIGTERM before it stops anything, for up to
+# this many seconds (30 by default) so that Serve can move replicas off it: a local node has
+# nowhere to move them (its head and proxy stop with it), so every stop sat out the whole
+# wait (15 s here, then SIGKILL). Off for the nodes this tooling starts, unless set.
+SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0"
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 15.0
 
@@ -163,6 +168,7 @@ class Service:
         # Serve app build (one per version rolled out) then started a fresh worker that
         # imported Ray, Serve and the app again, ~1 CPU-s each. Kept idle, they are reused.
         env.setdefault(WORKERS_SOFT_LIMIT_ENV, WORKERS_SOFT_LIMIT)
+        env.setdefault(SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN)
         env["RAY_AUTH_TOKEN_PATH"] = str(self.ray_token_file)
         env.pop("RAY_AUTH_TOKEN", None)  # a client's token in this shell is not the head's
         argv = [str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address", HOST]
