@@ -22,6 +22,7 @@ import pytest
 from mlflow import MlflowClient
 
 from deployments import approve, local, ports
+from deployments.testing.fast import FAST_SERVING
 from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.stack import SCHEDULER_ENV, deployed, environ, pointed_at
 from deployments.testing.watch import (
@@ -55,12 +56,7 @@ GATES = {
     "approval": "before_swap",
     "approval_timeout_s": 900,
 }
-SERVING = {
-    "num_cpus": 0.1,
-    "router_num_cpus": 0.1,
-    "health_check_period_s": 1,
-    "health_check_timeout_s": 5,
-}
+SERVING = FAST_SERVING
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from http_fuzz import (
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
+from deployments.testing.fast import FAST_SERVING
 from prefect_ray_lifecycle.workloads.constants import (
     POLICY_DEPLOYMENT,
     REQUEST_ID_HEADER,
@@ -180,9 +181,7 @@ def route(stack, checkpoints):
         observation_size=4,
     )
     gates = Gates(health_timeout_s=120, stability_window_s=2, bake_s=2, bake_window_s=1)
-    serving = Serving(
-        num_cpus=0.1, health_check_period_s=1, health_check_timeout_s=5, router_num_cpus=0.1
-    )
+    serving = Serving(**FAST_SERVING)
     with cluster.connect():
         try:
             result = serve_rollout(

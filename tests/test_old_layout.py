@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from deployments.testing.fast import FAST_SERVING
 from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
@@ -45,7 +46,7 @@ GATES = dict(
     max_p99_ms=5000,
     p99_slack_ms=3000,
 )
-SERVING = dict(num_cpus=0.1, health_check_period_s=1, health_check_timeout_s=5, router_num_cpus=0.1)
+SERVING = FAST_SERVING
 
 OLD_ROLLOUT = """
 import json, sys

@@ -28,6 +28,7 @@ import requests
 from mlflow import MlflowClient
 
 from deployments import local
+from deployments.testing.fast import FAST_SERVING
 from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.watch import route_status, wait_for
 from prefect_ray_lifecycle.blocks import MLflowServer
@@ -40,13 +41,7 @@ pytestmark = pytest.mark.slow
 
 ROUTE = "outage"
 OUTAGE_S = 30
-SERVING = Serving(
-    num_cpus=0.1,
-    health_check_period_s=1,
-    health_check_timeout_s=5,
-    router_num_cpus=0.1,
-    router_replicas=2,
-)
+SERVING = Serving(**FAST_SERVING, router_replicas=2)
 GATES = Gates(
     health_timeout_s=120,
     stability_window_s=2,

@@ -20,6 +20,7 @@ from mlflow import MlflowClient
 
 from deployments import lineage as walkback
 from deployments import setup
+from deployments.testing.fast import FAST_SERVING
 from deployments.testing.stack import environment as stack_environment
 from deployments.testing.stack import undeploy
 from prefect_ray_lifecycle.blocks import MLflowServer
@@ -54,12 +55,7 @@ FAST_GATES = {
     "max_p99_ms": 5000,
     "p99_slack_ms": 3000,
 }
-SMALL_SERVING = {
-    "num_cpus": 0.1,
-    "router_num_cpus": 0.1,
-    "health_check_period_s": 1,
-    "health_check_timeout_s": 5,
-}
+SMALL_SERVING = FAST_SERVING
 
 pytestmark = pytest.mark.slow
 

@@ -16,6 +16,7 @@ import uuid
 import pytest
 from prefect.states import StateType
 
+from deployments.testing.fast import FAST_SERVING
 from prefect_ray_lifecycle.blocks import RayCluster
 from prefect_ray_lifecycle.flows.ray_smoke import ray_smoke
 from prefect_ray_lifecycle.ray_runner import RAY_CLIENT_LIMITS
@@ -210,9 +211,7 @@ def test_a_rollout_over_ray_client_serves_the_version_through_the_gates(stack, c
             bake_s=3,
             bake_window_s=2,
         ),
-        serving=Serving(
-            num_cpus=0.1, router_num_cpus=0.1, health_check_period_s=1, health_check_timeout_s=5
-        ),
+        serving=Serving(**FAST_SERVING),
         ray_cluster=client_cluster(stack),
         mlflow_server=MLflowServer(tracking_uri=stack.mlflow_uri),
     )

@@ -21,6 +21,7 @@ import pytest
 from mlflow import MlflowClient
 
 from deployments import local
+from deployments.testing.fast import FAST_SERVING
 from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.stack import deployed
 from deployments.testing.watch import (
@@ -50,12 +51,7 @@ GATES = {
     "p99_slack_ms": 3000,
     "lease_s": LEASE_S,
 }
-SERVING = {
-    "num_cpus": 0.1,
-    "router_num_cpus": 0.1,
-    "health_check_period_s": 1,
-    "health_check_timeout_s": 5,
-}
+SERVING = FAST_SERVING
 FAST = {"gates": GATES, "serving": SERVING}
 
 pytestmark = pytest.mark.slow

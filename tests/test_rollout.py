@@ -19,6 +19,7 @@ import requests
 from mlflow import MlflowClient
 from prefect.concurrency.sync import concurrency
 
+from deployments.testing.fast import FAST_SERVING
 from deployments.testing.load import LOAD_PAUSE_S, OBSERVATION, ClosedLoop
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
@@ -51,9 +52,7 @@ def fast_gates(**overrides) -> Gates:
     return Gates(**{**settings, **overrides})
 
 
-SERVING = Serving(
-    num_cpus=0.1, health_check_period_s=1, health_check_timeout_s=5, router_num_cpus=0.1
-)
+SERVING = Serving(**FAST_SERVING)
 
 
 @pytest.fixture(scope="module")

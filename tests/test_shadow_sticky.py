@@ -24,6 +24,7 @@ from mlflow import MlflowClient
 
 from deployments import status as status_command
 from deployments.testing import drive
+from deployments.testing.fast import FAST_SERVING
 from deployments.testing.load import ClosedLoop
 from deployments.testing.watch import sessions_per_step, stage_windows, wait_for
 from prefect_ray_lifecycle.blocks import MLflowServer
@@ -54,13 +55,7 @@ SESSIONS = 200
 SESSION_PREFIX = uuid.uuid4().hex[:8]
 BURST = 3  # requests a session sends in a row
 STEPS = [0.2, 0.5]
-SERVING = Serving(
-    num_cpus=0.1,
-    health_check_period_s=1,
-    health_check_timeout_s=5,
-    router_num_cpus=0.1,
-    router_replicas=2,
-)
+SERVING = Serving(**FAST_SERVING, router_replicas=2)
 BOUNDARY_S = 1.0  # around a step's start and end, the two replicas may disagree on the share
 
 

@@ -13,6 +13,7 @@ import pytest
 from mlflow import MlflowClient
 
 from deployments import local, setup
+from deployments.testing.fast import FAST_SERVING
 from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.stack import deployed
 from deployments.testing.watch import deployment_runs, route_status, started_run, wait_for
@@ -38,12 +39,7 @@ GATES = {
     "p99_slack_ms": 3000,
     "lease_s": 5,
 }
-SERVING = {
-    "num_cpus": 0.1,
-    "router_num_cpus": 0.1,
-    "health_check_period_s": 1,
-    "health_check_timeout_s": 5,
-}
+SERVING = FAST_SERVING
 FAST = {"gates": GATES, "serving": SERVING}
 
 pytestmark = pytest.mark.slow

@@ -19,6 +19,8 @@ from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
 from prefect.states import Cancelling, Crashed
 from pydantic import ValidationError
 
+from deployments.testing.watch import wait_for
+from deployments.worker_node import alive_actors
 from prefect_ray_lifecycle.flows.tune_sweep import tune_sweep
 from prefect_ray_lifecycle.tasks.tune.chart import EARLY_LABEL, STOPPED_EARLY, draw_sweep
 from prefect_ray_lifecycle.tasks.tune.config import SweepConfig
@@ -27,6 +29,7 @@ from tests import flow_process
 from tests.schema_checks import undescribed
 
 # A PPO trial iteration of ~1 s on the shared 2-core machine.
+TRIAL_ACTOR = "PPO"  # the class name of a PPO trial's actor in Ray's state API
 TINY = {
     "hyperparameters": {"train_batch_size_per_learner": 256, "minibatch_size": 64, "num_epochs": 2},
     "scheduler": {"kind": "fifo"},
@@ -601,6 +604,9 @@ def test_cancelling_the_flow_run_stops_the_sweep_and_its_trials(stack, tmp_path,
             assert process.poll() is None, process.communicate()[0][-3000:]
             assert time.monotonic() < deadline, "the trial never reported"
             time.sleep(0.5)
+        # The trial's actor: the one process that could train on after the flow ends.
+        trial_actors = alive_actors(stack.ray_dashboard_url, stack.ray_token, TRIAL_ACTOR)
+        assert len(trial_actors) == 1, trial_actors
         prefect_client.set_flow_run_state(
             flow_run.id, Cancelling(message="from the UI"), force=True
         )
@@ -616,6 +622,12 @@ def test_cancelling_the_flow_run_stops_the_sweep_and_its_trials(stack, tmp_path,
     (trial_dir,) = [p.parent for p in experiment.glob("*/result.json")]
     iterations = len(result_lines(trial_dir))
     assert 1 <= iterations < 500
-    time.sleep(3)
-    assert len(result_lines(trial_dir)) == iterations  # nothing trains on after the flow ended
+    # Nothing trains on after the flow ended: once the trial's actor is gone (a barrier, not a
+    # pause), its results are still what they were when the flow ended.
+    wait_for(
+        "the trial's actor ends",
+        lambda: not alive_actors(stack.ray_dashboard_url, stack.ray_token, TRIAL_ACTOR),
+        timeout=60,
+    )
+    assert len(result_lines(trial_dir)) == iterations
     assert prefect_client.read_flow_run(flow_run.id).state.is_cancelled()
