@@ -333,7 +333,11 @@ def test_a_candidate_failing_half_its_requests_is_aborted_and_no_user_sees_it(se
     tags = verdict(serving, 4)
     assert (tags["verdict"], tags["stage"]) == ("rejected", "canary")
     assert "error rate" in tags["reason"]
-    assert router_status(serving)["config"]["rollout"] is None
+    status = router_status(serving)
+    assert status["config"]["rollout"] is None
+    # The router let go of v4's handle (each runs a router of its own in the process): it
+    # holds handles only to what its config names, here live.
+    assert set(status["handles"]) <= {serve_control.version_app_name(serving["name"], "2")}
     # The chart of the aborted rollout shows the canary failing, and v4's errors in it.
     _, drawn = rollout_chart(serving, 4)
     assert [(m["stage"], m["outcome"]) for m in drawn["stages"]][-1] == ("canary", "failed")

@@ -21,7 +21,7 @@ from prefect_ray_lifecycle.control.canary import (
     early_shadow_failure,
     judge_shadow,
 )
-from prefect_ray_lifecycle.control.convergence import Observed, next_step
+from prefect_ray_lifecycle.control.convergence import Observed, next_step, router_kept
 from prefect_ray_lifecycle.tasks.rollout.config import Gates
 from prefect_ray_lifecycle.workloads.http import BadRequest
 from prefect_ray_lifecycle.workloads.serve.policy import Faults
@@ -360,6 +360,31 @@ def test_shadow_testers_and_approval_records_round_trip():
 def test_unsafe_shadow_tester_and_approval_configs_are_refused(config, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         RouterConfig.parse(config)
+
+
+@pytest.mark.parametrize(
+    ("status", "kept"),
+    [
+        ("HEALTHY", True),
+        ("DeploymentStatus.HEALTHY", True),
+        ("UPDATING", True),  # a new config being applied: it answers meanwhile
+        ("DeploymentStatus.UPSCALING", True),
+        ("DOWNSCALING", True),
+        ("UNHEALTHY", False),  # ends in "HEALTHY": it used to count as healthy
+        ("DeploymentStatus.UNHEALTHY", False),
+        ("DEPLOY_FAILED", False),
+        (None, False),
+    ],
+)
+def test_reconcile_keeps_a_router_that_is_only_changing_and_rebuilds_a_broken_one(status, kept):
+    """A router that answered with its config is kept while Serve applies a new one or scales
+    it; unhealthy or failed, reconcile deploys the route afresh (restore)."""
+    assert router_kept(status) is kept
+    live = RouterConfig.parse({"live": {"app": "m-v1", "version": "1"}})
+    seen = Observed(
+        router=live, router_healthy=router_kept(status), holder="h", champion="1", live="1"
+    )
+    assert next_step(seen).kind == ("in_sync" if kept else "restore")
 
 
 def test_reconcile_asks_again_for_a_rollout_that_died_waiting_for_approval():

@@ -12,9 +12,23 @@ from typing import Literal
 
 from prefect_ray_lifecycle.workloads.serve.router_config import RouterConfig
 
-__all__ = ["FAILED_VERDICTS", "Observed", "Step", "next_step"]
+__all__ = ["FAILED_VERDICTS", "Observed", "Step", "next_step", "router_kept"]
 
 FAILED_VERDICTS = ("rejected", "rolled_back")
+# Serve's deployment statuses of a router that answered and is only changing: a new config
+# being applied (UPDATING) or replicas added or removed. Rebuilding it then would cut its users
+# off for nothing.
+_KEPT_STATUSES = ("HEALTHY", "UPDATING", "UPSCALING", "DOWNSCALING")
+
+
+def router_kept(status: object) -> bool:
+    """Whether a router deployment in Serve `status` (e.g. "HEALTHY" or
+    "DeploymentStatus.UPDATING") is one to keep; UNHEALTHY, DEPLOY_FAILED or none: rebuild.
+
+    Before, any status ending in "HEALTHY" was kept: UNHEALTHY too, while a router taking a
+    new config (UPDATING) was deleted and rolled out again as a first rollout."""
+    return status is not None and str(status).rpartition(".")[2] in _KEPT_STATUSES
+
 
 StepKind = Literal[
     "withdraw",  # a rollout died during its shadow or canary: take the candidate back

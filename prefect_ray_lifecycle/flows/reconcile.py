@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from prefect_ray_lifecycle.blocks import MLflowServer, RayCluster
 from prefect_ray_lifecycle.control import registry, serve_control
-from prefect_ray_lifecycle.control.convergence import Observed, Step, next_step
+from prefect_ray_lifecycle.control.convergence import Observed, Step, next_step, router_kept
 from prefect_ray_lifecycle.flows.register import DEFAULT_MODEL_NAME
 from prefect_ray_lifecycle.flows.rollout import RolloutResult, serve_rollout
 from prefect_ray_lifecycle.tasks._base import mlflow_task
@@ -72,7 +72,7 @@ def observe(route: str, model_name: str, server: MLflowServer, holder: str) -> O
         state = serve_control.deployment_state(
             serve_control.router_app_name(route), ROUTER_DEPLOYMENT
         )
-        healthy = router is not None and str(state["status"]).endswith("HEALTHY")
+        healthy = router is not None and router_kept(state["status"])
     with server.session() as client:
         champion = registry.resolve_alias(client, model_name, registry.CHAMPION)
         live = registry.resolve_alias(client, model_name, registry.LIVE)
