@@ -215,8 +215,12 @@ def _state_secret(path: Path, make: Callable[[], str]) -> str:
 
 
 def _read_pid(service: Service) -> dict | None:
+    return _read_pid_file(service.pid_file)
+
+
+def _read_pid_file(pid_file: Path) -> dict | None:
     try:
-        record = json.loads(service.pid_file.read_text())
+        record = json.loads(pid_file.read_text())
     except (OSError, ValueError):
         return None
     if start_time(record["pid"]) != record["start_time"]:
@@ -318,9 +322,20 @@ def _wait_ready(service: Service, process: subprocess.Popen | None, timeout: flo
 
 def stop(service: Service, timeout: float = STOP_TIMEOUT_S) -> str:
     """Stop the process group that `start` made, if it is still ours."""
-    record = _read_pid(service)
+    return _stop_pid_file(service.pid_file, timeout)
+
+
+def stop_recorded(state_dir: Path, timeout: float = STOP_TIMEOUT_S) -> list[str]:
+    """Stop every service a pid file in `state_dir` still names (what a caller that died
+    before it stopped them left running)."""
+    pid_files = sorted((state_dir / "pids").glob("*.json"))
+    return [f"{f.stem}: {_stop_pid_file(f, timeout)}" for f in pid_files]
+
+
+def _stop_pid_file(pid_file: Path, timeout: float) -> str:
+    record = _read_pid_file(pid_file)
     if record is None:
-        service.pid_file.unlink(missing_ok=True)
+        pid_file.unlink(missing_ok=True)
         return "not running"
     pid = record["pid"]
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -333,7 +348,7 @@ def stop(service: Service, timeout: float = STOP_TIMEOUT_S) -> str:
             time.sleep(0.2)
         if not group_alive(pid):
             break
-    service.pid_file.unlink(missing_ok=True)
+    pid_file.unlink(missing_ok=True)
     return f"stopped (pid {pid})"
 
 

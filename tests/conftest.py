@@ -10,10 +10,12 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import pytest
 
+from deployments import local
 from deployments.testing.stack import Stack, environ, pointed_at, temporary_stack
 from prefect_ray_lifecycle.workloads.constants import llm_python
 from prefect_ray_lifecycle.workloads.rl.rllib import module_path
@@ -24,6 +26,11 @@ RAY_HEAD_CPUS = 4
 # Set by `make test` (and so CI): a missing LLM venv fails the LLM tests instead of skipping.
 REQUIRE_LLM_ENV = "RLT_REQUIRE_LLM"
 SERVICE_FIXTURES = {"stack", "prefect_api"}
+# The session's id, set by the controller and inherited by pytest-xdist's workers: each
+# worker's stack is marked with it, so that the services of a worker that died (a hung test
+# past faulthandler_timeout, see pyproject.toml) are stopped when the session ends.
+SESSION_ENV = "RLT_TEST_SESSION"
+SESSION_MARK = "pytest-session"
 
 
 # Seconds of one worker each group took in a full `make test` here (2026-12-03, 2 workers,
@@ -64,7 +71,13 @@ def _group(item) -> str:
     return "llm" if item.get_closest_marker("llm") or module in HEAVY_WITH_LLM else module
 
 
+def _is_worker() -> bool:
+    return "PYTEST_XDIST_WORKER" in os.environ  # set before a worker loads this file
+
+
 def pytest_configure(config):
+    if not _is_worker():
+        os.environ[SESSION_ENV] = uuid.uuid4().hex  # a pytest run inside a test: its own
     # Groups in the order of the collection (sorted below), not by their number of tests.
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
@@ -122,10 +135,23 @@ def pytest_runtest_setup(item):
     pytest.skip(f"{message}; set {REQUIRE_LLM_ENV}=1 to fail instead")
 
 
+def _stop_stacks_left_behind() -> None:
+    """Stop the services of the session's stacks that their worker did not stop (it died)."""
+    session = os.environ.get(SESSION_ENV)
+    if _is_worker() or not session:
+        return
+    for mark in Path("/tmp").glob(f"rlt-*/{SESSION_MARK}"):
+        if mark.read_text() == session:
+            stopped = local.stop_recorded(mark.parent)
+            print(f"\nservices a dead test worker left in {mark.parent}: {'; '.join(stopped)}")
+            shutil.rmtree(mark.parent, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def stack() -> Stack:
     """The services, with this process (and the subprocesses tests start) pointed at them."""
     with temporary_stack(RAY_HEAD_CPUS) as services, pointed_at(services):
+        (services.state_dir / SESSION_MARK).write_text(os.environ.get(SESSION_ENV, ""))
         yield services
 
 
@@ -157,11 +183,12 @@ def no_temporary_prefect_server():
 def pytest_unconfigure(config):
     """Keep faulthandler on once pytest turns its own off, through interpreter exit: a crash
     after the summary (Ray or Serve threads outliving the session) then prints every thread's
-    stack instead of a bare exit code 139."""
+    stack instead of a bare exit code 139. Then stop what a dead worker left running."""
     import atexit
     import faulthandler
 
     atexit.register(faulthandler.enable, all_threads=True)
+    _stop_stacks_left_behind()
 
 
 @pytest.fixture(scope="module", autouse=True)
