@@ -147,6 +147,13 @@ def _forget_serve_handles() -> None:
     ray.shutdown that push would start a new local Ray in this process (Ray 2.60)."""
     if "ray.serve" not in sys.modules:
         return
+    from prefect_ray_lifecycle.control import serve_control
+
+    # Ours too: a handle kept past this connection is bound to its core worker, and the
+    # next connection's calls through it never reach a replica ("Timed out resolving to
+    # ObjectRef"): a rollout after `with cluster.connect(): serve_control.wait_router(...)`
+    # in one process waited 60 s for every router status and failed its canary.
+    serve_control.release()
     try:
         ray_internals.forget_serve_client()
     except Exception:  # never mask what the block's user was doing
