@@ -42,7 +42,7 @@ GROUP_S = {
     "test_rollout": 311,
     "test_recovery": 296,
     "test_stack_restart": 281,
-    "llm": 441,  # the vLLM modules and the fine-tune, one after another
+    "llm": 500,  # the vLLM modules and the fine-tune, one after another
     "test_approval": 249,
     "test_shadow_sticky": 186,
     "test_ray_client": 148,

@@ -184,6 +184,34 @@ def test_an_llm_target_carries_the_app_args_the_router_hosts_it_by():
             Target.parse({"app": "chat-v3", "version": "3", "kind": "llm", "model": bad})
 
 
+def test_an_llm_drill_slows_tokens_and_fits_only_an_llm_version():
+    from prefect_ray_lifecycle.tasks.rollout.config import Drill
+    from prefect_ray_lifecycle.workloads.llm import llm_app_config
+    from prefect_ray_lifecycle.workloads.llm.config import LLMFaults
+
+    assert LLMFaults.parse({"token_delay_ms": 250}).token_delay_ms == 250
+    assert LLMFaults.parse(None).token_delay_ms == 0
+    for bad in ({"token_delay_ms": -1}, {"token_delay_ms": 250, "error_rate": 0.5}):
+        with pytest.raises(ValueError):
+            LLMFaults.parse(bad)
+    with pytest.raises(ValueError, match="error_rate"):  # a policy's fault among an LLM's
+        Drill(faults={"token_delay_ms": 10, "error_rate": 0.1})
+    Drill(faults={"token_delay_ms": 10}).check_kind("llm")
+    Drill(faults={"error_rate": 0.5}).check_kind("policy")
+    with pytest.raises(ValueError, match="faults of an LLM version"):
+        Drill(faults={"token_delay_ms": 10}).check_kind("policy")
+    with pytest.raises(ValueError, match="error_rate"):
+        Drill(faults={"error_rate": 0.5}).check_kind("llm")
+    with pytest.raises(ValueError, match="policy versions only"):
+        Drill(after_swap={"error_rate": 1.0}).check_kind("llm")
+    # The drill reaches the version's server as its user_config (reconfigure), none by default.
+    args = {"model": "/models/tiny", "version_label": "3"}
+    (entry,) = llm_app_config("chat-v3", args, faults={"token_delay_ms": 10})["deployments"]
+    assert entry == {"name": LLM_DEPLOYMENT, "user_config": {"faults": {"token_delay_ms": 10.0}}}
+    (entry,) = llm_app_config("chat-v3", args)["deployments"]
+    assert entry["user_config"] == {"faults": {"token_delay_ms": 0.0}}
+
+
 def test_faults_and_serving_options_are_validated():
     assert Faults.parse({"error_rate": 0.5}).error_rate == 0.5
     for bad in ({"error_rate": 2}, {"latency_ms": -1}, {"explode": True}):

@@ -23,8 +23,8 @@ from mlflow import MlflowClient
 
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
-from prefect_ray_lifecycle.flows.rollout import serve_rollout
-from prefect_ray_lifecycle.tasks.rollout.config import Gates, LLMServing, Serving
+from prefect_ray_lifecycle.flows.rollout import RolloutFailed, serve_rollout
+from prefect_ray_lifecycle.tasks.rollout.config import Drill, Gates, LLMServing, Serving
 from prefect_ray_lifecycle.workloads.constants import LLM_DEPLOYMENT, ROUTER_DEPLOYMENT, llm_python
 from prefect_ray_lifecycle.workloads.llm.tiny import build_tiny_llm
 
@@ -61,7 +61,7 @@ GATES = Gates(
 
 @pytest.fixture(scope="module")
 def llm_model(stack, tmp_path_factory):
-    """A tiny Llama built here, registered twice (two versions of one model)."""
+    """A tiny Llama built here, registered three times (three versions of one model)."""
     folder = build_tiny_llm(tmp_path_factory.mktemp("tiny") / "model")
     client = MlflowClient(stack.mlflow_uri)
     name = f"chat-{uuid.uuid4().hex[:6]}"
@@ -69,7 +69,7 @@ def llm_model(stack, tmp_path_factory):
     client.log_artifacts(run.info.run_id, str(folder), artifact_path="hf")
     client.set_terminated(run.info.run_id)
     client.create_registered_model(name)
-    for _ in range(2):
+    for _ in range(3):  # v3: the drilled candidate
         client.create_model_version(name, f"{run.info.artifact_uri}/hf", run_id=run.info.run_id)
     cluster = stack.ray_cluster()
     try:
@@ -234,6 +234,80 @@ def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(st
     assert (now["model"], now["mlflow_uri"]) == (llm_model["name"], stack.mlflow_uri), now
     assert now["inline_version"] == "2" and now["aliases"]["live"] == "2"
     assert now["verdicts"][0]["version"] == "2" and now["verdicts"][0]["verdict"] == "promoted"
+
+
+# The drill holds each of the candidate's tokens this long: its tokens/s falls to at most 4.
+TOKEN_DELAY_S = 0.25
+STREAM_TOKENS = 24
+
+
+def test_an_llm_canary_with_slow_tokens_is_rejected_and_streams_token_by_token(
+    stack, llm_model, served
+):
+    """A drill holds each of v3's tokens 250 ms. A stream v3 answers through the router in its
+    canary brings its first event before its 23rd token could exist (the clock the drill
+    sets), so events leave as tokens are made. The canary's LLM judgement, at gates a user
+    would set, rejects v3 on tokens/s; live keeps serving and no request failed."""
+    gates = GATES.model_copy(
+        update={"max_ttft_ms": 5000, "min_tokens_per_s_ratio": 0.5, "canary_hold_s": 20}
+    )
+    drill = Drill(faults={"token_delay_ms": TOKEN_DELAY_S * 1000})
+    url = f"http://127.0.0.1:{stack.serve_port}/{ROUTE}/v1/completions"
+    answers: list[tuple[int, str | None]] = []
+    streams: list[tuple[float, list[float], list[str]]] = []  # v3's: start, arrivals, events
+    stopping = threading.Event()
+
+    def load():
+        while not stopping.is_set():
+            response = completion(stack.serve_port, llm_model["name"])
+            answers.append((response.status_code, response.headers.get("X-Model-Version")))
+            time.sleep(PAUSE_S)
+
+    def stream_until_v3_answers():
+        body = {"model": llm_model["name"], "prompt": "hello", "stream": True}
+        body |= {"max_tokens": STREAM_TOKENS, "ignore_eos": True}
+        while not stopping.is_set() and not streams:
+            started = time.perf_counter()
+            response = requests.post(url, json=body, stream=True, timeout=60)
+            arrivals, events = [], []
+            for line in response.iter_lines(decode_unicode=True):
+                if line.startswith("data: "):
+                    arrivals.append(time.perf_counter())
+                    events.append(line[6:])
+            answers.append((response.status_code, response.headers.get("X-Model-Version")))
+            if response.headers.get("X-Model-Version") == "3":
+                streams.append((started, arrivals, events))
+            time.sleep(PAUSE_S)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (load, stream_until_v3_answers)]
+    for thread in threads:
+        thread.start()
+    try:
+        with pytest.raises(RolloutFailed, match="tokens/s is below 0.5x live's") as failed:
+            serve_rollout(version="3", drill=drill, **{**rollout_args(llm_model), "gates": gates})
+    finally:
+        stopping.set()
+        for thread in threads:
+            thread.join(timeout=60)
+    print("LLM canary rejected:", failed.value)
+    # Nobody saw the rejected candidate fail, and v3 did answer users in its canary.
+    assert [a for a in answers if a[0] != 200] == []
+    assert {version for _, version in answers} == {served, "3"}
+    assert registry.resolve_alias(
+        llm_model["client"], llm_model["name"], registry.LIVE
+    ).version == (served)
+    after = completion(stack.serve_port, llm_model["name"])
+    assert after.status_code == 200 and after.headers["X-Model-Version"] == served
+
+    # The stream v3 answered: every token held TOKEN_DELAY_S, so its k-th token leaves no
+    # sooner than k delays after the request. The first event came before the 23rd token
+    # could exist (a buffered answer arrives after the 24th); the last after the 24th.
+    ((started, arrivals, events),) = streams
+    assert events[-1] == "[DONE]" and len(events) > 2
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert text, events
+    assert arrivals[0] - started < (STREAM_TOKENS - 1) * TOKEN_DELAY_S, (started, arrivals)
+    assert arrivals[-1] - started >= STREAM_TOKENS * TOKEN_DELAY_S, (started, arrivals)
 
 
 @pytest.fixture(scope="module")

@@ -73,8 +73,7 @@ def serve_rollout(
     """
     gates, serving, drill = gates or Gates(), serving or Serving(), drill or Drill()
     llm = llm or LLMServing()
-    if kind == "llm" and (drill.faults or drill.after_swap):
-        raise ValueError("drills inject faults into policy versions only")
+    drill.check_kind(kind)
     server, cluster = mlflow_server or MLflowServer(), ray_cluster or RayCluster()
     serve_control.validate_route(route)
     serving.version_options()

@@ -73,7 +73,7 @@ def version_app(
         )
         return config, Target(spec["version"], app, "policy", spec), serving.health_check_period_s
     args = llm.app_args(mlflow_server, model_name, version)
-    config = llm_app_config(app, args, runtime_env)
+    config = llm_app_config(app, args, runtime_env, faults)
     # The args travel in the target too: the router builds the same engine from them to host
     # the version once it is live.
     target = Target(str(version), app, "llm", args.model_dump(mode="json"))

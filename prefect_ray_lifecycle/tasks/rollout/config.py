@@ -11,7 +11,7 @@ from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control.canary import ShadowThresholds, Thresholds
 from prefect_ray_lifecycle.workloads.constants import llm_python
 from prefect_ray_lifecycle.workloads.llm import EngineSettings, LLMAppArgs
-from prefect_ray_lifecycle.workloads.llm.config import engine_runtime_env
+from prefect_ray_lifecycle.workloads.llm.config import LLMFaults, engine_runtime_env
 from prefect_ray_lifecycle.workloads.serve.policy import Faults, serving_options
 
 __all__ = ["Drill", "Gates", "LLMServing", "Serving"]
@@ -371,7 +371,8 @@ class Drill(BaseModel):
 
     faults: dict[str, Any] = Field(
         default_factory=dict,
-        description="From deployment: error_rate, fail_health_after_s, latency_ms.",
+        description="From deployment: error_rate, fail_health_after_s, latency_ms, "
+        "disagree_rate (a policy); token_delay_ms (an LLM).",
     )
     after_swap: dict[str, Any] = Field(
         default_factory=dict,
@@ -380,6 +381,18 @@ class Drill(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> Drill:
-        Faults.parse(self.faults)
+        if set(self.faults) & set(LLMFaults.model_fields):
+            LLMFaults.parse(self.faults)  # an LLM's; unknown (policy) fields are refused
+        else:
+            Faults.parse(self.faults)
         Faults.parse(self.after_swap)
         return self
+
+    def check_kind(self, kind: str) -> None:
+        """ValueError when a fault does not exist for what the route serves."""
+        if kind == "llm":
+            if self.after_swap:
+                raise ValueError("after_swap faults are injected into policy versions only")
+            LLMFaults.parse(self.faults)
+        elif set(self.faults) & set(LLMFaults.model_fields):
+            raise ValueError(f"{sorted(LLMFaults.model_fields)} are faults of an LLM version")

@@ -9,7 +9,8 @@ from typing import Any
 
 from ray import serve
 
-from prefect_ray_lifecycle.workloads.llm.config import LLMAppArgs
+from prefect_ray_lifecycle.workloads.constants import LLM_DEPLOYMENT
+from prefect_ray_lifecycle.workloads.llm.config import LLMAppArgs, LLMFaults
 from prefect_ray_lifecycle.workloads.llm.server import LLMServer
 
 __all__ = ["IMPORT_PATH", "build_llm_app", "deploy_llm_app", "llm_app_config"]
@@ -58,16 +59,22 @@ def deploy_llm_app(args: dict | LLMAppArgs, name: str, *, blocking: bool = False
 
 
 def llm_app_config(
-    name: str, args: dict | LLMAppArgs, runtime_env: dict[str, Any] | None = None
+    name: str,
+    args: dict | LLMAppArgs,
+    runtime_env: dict[str, Any] | None = None,
+    faults: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One `applications:` entry of a Serve config (REST / `serve deploy`) for this app.
-    `runtime_env` is the app's own (e.g. py_modules or working_dir holding `workloads`)."""
+    `runtime_env` is the app's own (e.g. py_modules or working_dir holding `workloads`);
+    `faults` a drill's (LLMFaults), sent as the server's user_config."""
     spec = _spec(args)
+    user_config = {"faults": LLMFaults.parse(faults).model_dump()}
     entry: dict[str, Any] = {
         "name": name,
         "import_path": IMPORT_PATH,
         "route_prefix": spec.route_prefix,
         "args": spec.model_dump(mode="json"),
+        "deployments": [{"name": LLM_DEPLOYMENT, "user_config": user_config}],
     }
     if runtime_env:
         entry["runtime_env"] = runtime_env

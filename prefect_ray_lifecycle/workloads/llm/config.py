@@ -16,6 +16,7 @@ __all__ = [
     "AutoscalingSettings",
     "EngineSettings",
     "LLMAppArgs",
+    "LLMFaults",
     "MLflowModelSource",
     "engine_runtime_env",
 ]
@@ -33,6 +34,25 @@ REPLICA_ENV_VARS = {
 # start-up fails on small machines. Set only then: on CPU it overrides kv_cache_memory_bytes.
 # GPU builds ignore it.
 CPU_KV_CACHE_GIB = "1"
+
+
+class LLMFaults(BaseModel):
+    """Faults a drill injects into one LLM version's app, to rehearse the LLM gates:
+    `token_delay_ms` holds every generated token that long before it is sent (whole answers
+    and streams alike; Serve's health checks are spared), so time to first token grows by it
+    and tokens/s falls to at most 1000 / token_delay_ms."""
+
+    model_config = {"extra": "forbid"}
+
+    token_delay_ms: float = Field(0.0, ge=0, le=60_000)
+
+    @classmethod
+    def parse(cls, value: dict[str, Any] | None) -> LLMFaults:
+        """From a drill's faults; ValueError names unknown fields and bad values."""
+        try:
+            return cls.model_validate(dict(value or {}))
+        except Exception as error:  # pydantic's ValidationError is a ValueError
+            raise ValueError(f"LLM faults {value!r}: {error}") from None
 
 
 class MLflowModelSource(BaseModel):

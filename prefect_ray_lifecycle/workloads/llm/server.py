@@ -21,7 +21,7 @@ from prefect_ray_lifecycle.workloads.constants import (
     VERSION_HEADER,
 )
 from prefect_ray_lifecycle.workloads.http import JSON_TYPE, BadRequest, request_dict
-from prefect_ray_lifecycle.workloads.llm.config import LLMAppArgs
+from prefect_ray_lifecycle.workloads.llm.config import LLMAppArgs, LLMFaults
 from prefect_ray_lifecycle.workloads.llm.engine import (
     EngineLoop,
     ReplicaStats,
@@ -81,6 +81,8 @@ class LLMServer:
         self.model_name = spec.resolved_served_model_name()
         self.health_timeout_s = spec.health_check_timeout_s
         self.stats_data = ReplicaStats()
+        self.faults = LLMFaults()  # a drill's, from the user_config (reconfigure)
+        self.rejected_config: str | None = None
         started = time.monotonic()
         if spec.mlflow is not None:
             model_dir = download_from_mlflow(spec.mlflow)
@@ -131,6 +133,16 @@ class LLMServer:
         if tokens != 1:
             raise RuntimeError(f"{purpose}: the engine generated {tokens} tokens, not 1")
         return tokens
+
+    def reconfigure(self, config: dict[str, Any]) -> None:
+        # Never raises (Serve stops a replica whose reconfigure raises) and is idempotent.
+        try:
+            self.faults = LLMFaults.parse((config or {}).get("faults"))
+        except ValueError as error:
+            self.rejected_config = str(error)
+            logger.error("ignored a bad user_config %r: %s", config, error)
+            return
+        self.rejected_config = None
 
     async def check_health(self) -> None:
         """Serve's health check: the engine generates one token in time, or this raises."""
@@ -216,6 +228,7 @@ class LLMServer:
             "model": self.model_name,
             **data.counters(),
             "engine_start_s": round(self.engine_start_s, 3),
+            "faults": self.faults.model_dump(),
             **data.series(),
         }
 
@@ -344,6 +357,9 @@ class Generation:
         engine_id = f"{self.request_id}-{uuid.uuid4().hex[:8]}"
         async for output in self.server.engine.generate(engine_id, self.prompt_ids, self.params):
             completion = output.outputs[0]
+            delay_s = self.server.faults.token_delay_ms / 1000 * len(completion.token_ids)
+            if delay_s:  # a drill's slow tokens
+                await asyncio.sleep(delay_s)
             if completion.token_ids and self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
             self.completion_tokens += len(completion.token_ids)
