@@ -13,7 +13,6 @@ Load runs through the router in the first test, and no answer may fail."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from datetime import timedelta
 
@@ -26,6 +25,7 @@ from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.stack import deployed
 from deployments.testing.watch import (
     deployment_runs,
+    explain_on_failure,
     kill_flow_run,
     route_status,
     started_run,
@@ -55,33 +55,6 @@ SERVING = FAST_SERVING
 FAST = {"gates": GATES, "serving": SERVING}
 
 pytestmark = pytest.mark.slow
-
-
-@contextlib.contextmanager
-def worker_log_on_failure(stack, prefect):
-    """On a failure, the worker's log (the flow runs' own output) is the first thing to read,
-    then the reconcile runs that left Scheduled (what started each, how each ended)."""
-    try:
-        yield
-    except BaseException:
-        for run in runs(prefect):
-            if run.state.name != "Scheduled":
-                print(
-                    "reconcile run",
-                    run.name,
-                    run.created,
-                    run.state.name,
-                    run.auto_scheduled,
-                    sorted(run.parameters),
-                    (run.state.message or "")[:120],
-                )
-        log = stack.state_dir / "logs" / "worker.log"
-        if log.exists():
-            print("---- worker log (tail) ----")
-            lines = log.read_text(errors="replace").splitlines()
-            keep = [x for x in lines if "Serve" not in x and "Pydantic" not in x]
-            print("\n".join(keep[-300:]))
-        raise
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +113,7 @@ def recovered_events(prefect_client, version: str) -> list:
 
 
 def test_a_moved_champion_reaches_the_route_and_survives_killed_rollouts(stack, lifecycle):
-    with worker_log_on_failure(stack, lifecycle["prefect"]):
+    with explain_on_failure(lifecycle["prefect"], "reconcile/reconcile", stack.state_dir):
         moved_champion_survives_killed_rollouts(lifecycle)
 
 
@@ -199,14 +172,21 @@ def moved_champion_survives_killed_rollouts(lifecycle):
     # No user saw any of it.
     assert traffic.failed() == [], traffic.failed()[:3]
     assert traffic.answers[-1].version == "2"
+    # Each killed reconcile and the serve-rollout subflow it was running are Crashed: the
+    # worker marks only the process it started (the reconcile); the run that took the route
+    # over marks the subflows.
     for run in (canary_run, bake_run):
-        assert prefect.read_flow_run(run.id).state.is_crashed()
+        family = run_and_subflows(prefect, run.id)
+        names = [prefect.read_flow(r.flow_id).name for r in family]
+        assert names[0] == "reconcile" and "serve-rollout" in names[1:], names
+        states = [r.state.name for r in family]
+        assert states == ["Crashed"] * len(family), list(zip(names, states, strict=True))
     actions = {e.payload["action"] for e in recovered_events(prefect, "2")}
     assert actions == {"withdrawn", "promoted"}
 
 
 def test_with_the_receiver_down_the_interval_reconcile_still_converges(stack, lifecycle):
-    with worker_log_on_failure(stack, lifecycle["prefect"]):
+    with explain_on_failure(lifecycle["prefect"], "reconcile/reconcile", stack.state_dir):
         interval_reconcile_converges(stack, lifecycle)
 
 

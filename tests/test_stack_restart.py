@@ -16,7 +16,13 @@ from deployments import local, setup
 from deployments.testing.fast import FAST_SERVING
 from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.stack import deployed
-from deployments.testing.watch import deployment_runs, route_status, started_run, wait_for
+from deployments.testing.watch import (
+    deployment_runs,
+    explain_on_failure,
+    route_status,
+    started_run,
+    wait_for,
+)
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.flows.reconcile import reconcile
@@ -110,6 +116,11 @@ def test_a_restarted_ray_head_gets_its_route_back_with_nobody_acting(
 ):
     """The route's heartbeats stop with the head; the trigger's reconcile waits for the new
     head and restores the route from MLflow's `live`, through health and smoke."""
+    with explain_on_failure(prefect_client, "reconcile/reconcile", stack.state_dir):
+        restarted_head_restored(stack, lifecycle, prefect_client, task_runs)
+
+
+def restarted_head_restored(stack, lifecycle, prefect_client, task_runs):
     client, _ = lifecycle
     port = stack.serve_port
     assert answers(port) == "1"
@@ -152,6 +163,11 @@ def test_a_restarted_ray_head_gets_its_route_back_with_nobody_acting(
 
 
 def test_a_stack_stopped_mid_rollout_comes_back_unwedged(stack, lifecycle, prefect_client):
+    with explain_on_failure(prefect_client, "reconcile/reconcile", stack.state_dir):
+        stack_comes_back_unwedged(stack, lifecycle, prefect_client)
+
+
+def stack_comes_back_unwedged(stack, lifecycle, prefect_client):
     client, first = lifecycle
     port = stack.serve_port
     # v2's rollout is in its canary when the whole stack goes down.

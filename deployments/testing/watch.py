@@ -3,16 +3,19 @@ runs, a route's own status, and the process behind a flow run (to kill it in a d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 __all__ = [
     "deployment_runs",
+    "explain_on_failure",
     "kill_flow_run",
     "route_status",
     "sessions_per_step",
@@ -60,6 +63,35 @@ def started_run(
 
     # Every 0.5 s: each look reads the deployment and its runs, for up to minutes.
     return wait_for(f"a {name} run starts", running, timeout, every=0.5)
+
+
+@contextlib.contextmanager
+def explain_on_failure(client: Any, name: str, state_dir: Path) -> Iterator[None]:
+    """On a failure inside, print what an operator reads first: the runs of deployment
+    `name` that left Scheduled (what started each, how each ended), then the tails of the
+    worker's log (the flow runs' own output) and the receiver's (the route watch)."""
+    try:
+        yield
+    except BaseException:
+        for run in deployment_runs(client, name):
+            if run.state.name != "Scheduled":
+                print(
+                    f"{name} run",
+                    run.name,
+                    run.created,
+                    run.state.name,
+                    "auto-scheduled" if run.auto_scheduled else "",
+                    dict(run.parameters),
+                    (run.state.message or "")[:120],
+                )
+        for log, keep in (("worker.log", 300), ("receiver.log", 40)):
+            path = state_dir / "logs" / log
+            if path.exists():
+                print(f"---- {log} (tail) ----")
+                lines = path.read_text(errors="replace").splitlines()
+                lines = [x for x in lines if "Serve" not in x and "Pydantic" not in x]
+                print("\n".join(lines[-keep:]))
+        raise
 
 
 def kill_flow_run(client: Any, run_id: Any) -> float:
