@@ -103,6 +103,25 @@ def _remove_route(stack) -> None:
         serve_control.delete_route(ROUTE, MODEL)
 
 
+def heartbeats(prefect_client, since, version: str) -> list:
+    """The route watch's heartbeats for the route serving `version`, recorded since `since`:
+    what arms the trigger that restores a lost route."""
+    from prefect.events.filters import (
+        EventFilter,
+        EventNameFilter,
+        EventOccurredFilter,
+        EventResourceFilter,
+    )
+
+    flt = EventFilter(
+        occurred=EventOccurredFilter(since=since),
+        event=EventNameFilter(name=["ray-lifecycle.route.healthy"]),
+        resource=EventResourceFilter(id=[f"ray-lifecycle.route.{ROUTE}"]),
+    )
+    found = prefect_client.read_events(filter=flt, limit=50).events
+    return [e for e in found if e.resource.get("ray-lifecycle.live") == version]
+
+
 def answers(port: int) -> str | None:
     """The version the route answers with, or None while nothing answers."""
     try:
@@ -121,9 +140,20 @@ def test_a_restarted_ray_head_gets_its_route_back_with_nobody_acting(
 
 
 def restarted_head_restored(stack, lifecycle, prefect_client, task_runs):
-    client, _ = lifecycle
+    client, first = lifecycle
     port = stack.serve_port
     assert answers(port) == "1"
+    # The trigger restores a route whose heartbeats stop after it had some (its `after`): a
+    # head stopped before the route's first beat reached Prefect is never missed, which is the
+    # likely cause of this test's failures in full runs (v1 went live ~15 s before the stop,
+    # and a busy watch beats less often than every 10 s). Wait for two beats since then: the
+    # first has been through the trigger by the time the second is recorded.
+    went_live = prefect_client.read_flow_run(first.id).end_time
+    wait_for(
+        "two heartbeats of the live route",
+        lambda: len(heartbeats(prefect_client, went_live, "1")) >= 2,
+        timeout=120,
+    )
     head = stack.service("ray")
     local.stop(head)
     stopped = time.time()
