@@ -48,6 +48,13 @@ WORKERS_SOFT_LIMIT_ENV, WORKERS_SOFT_LIMIT = "RAY_num_workers_soft_limit", "32"
 # nowhere to move them (its head and proxy stop with it), so every stop sat out the whole
 # wait (15 s here, then SIGKILL). Off for the nodes this tooling starts, unless set.
 SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0"
+# Ray code in a node's workers that looks its own cluster up (the state API: Ray Train V2's
+# PlacementGroupCleaner asks it whether a Train controller is alive) finds every GCS on the
+# machine and gives up when there are several ("Found multiple active Ray instances"), as with
+# a test session's heads. The cleaner then never removes the worker group of a Tune trial that
+# ASHA stopped: its CPUs stay reserved after the sweep ends. Each node this tooling starts
+# tells its workers (they inherit its environment) which cluster is theirs.
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 15.0
 
@@ -171,6 +178,7 @@ class Service:
         env.setdefault(SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN)
         env["RAY_AUTH_TOKEN_PATH"] = str(self.ray_token_file)
         env.pop("RAY_AUTH_TOKEN", None)  # a client's token in this shell is not the head's
+        env[RAY_ADDRESS_ENV] = f"{HOST}:{self.port}"  # for its workers: see RAY_ADDRESS_ENV
         argv = [str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address", HOST]
         argv += ["--port", str(self.port), "--dashboard-host", HOST]
         argv += ["--dashboard-port", str(self.dashboard_port), "--temp-dir", str(ray_tmp)]

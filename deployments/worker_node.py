@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from deployments.local import NO_SHUTDOWN_DRAIN, SHUTDOWN_DRAIN_ENV
+from deployments.local import NO_SHUTDOWN_DRAIN, RAY_ADDRESS_ENV, SHUTDOWN_DRAIN_ENV
 from deployments.ports import HOST, free_ports
 from deployments.processes import group_alive
 
@@ -94,6 +94,7 @@ def join(
         RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file)
     )
     env.setdefault(SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN)  # see deployments.local
+    env[RAY_ADDRESS_ENV] = address  # its workers' own cluster: see deployments.local
     argv = [str(Path(sys.executable).parent / "ray"), "start", "--block"]
     argv += ["--address", address, "--node-ip-address", HOST]
     argv += ["--temp-dir", str(temp_dir), "--num-cpus", str(cpus), "--num-gpus", "0"]

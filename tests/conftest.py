@@ -147,12 +147,20 @@ def _stop_stacks_left_behind() -> None:
             shutil.rmtree(mark.parent, ignore_errors=True)
 
 
+# The session's stack in this process, once a test has asked for it (see no_leftover_groups).
+_STACKS: list[Stack] = []
+
+
 @pytest.fixture(scope="session")
 def stack() -> Stack:
     """The services, with this process (and the subprocesses tests start) pointed at them."""
     with temporary_stack(RAY_HEAD_CPUS) as services, pointed_at(services):
         (services.state_dir / SESSION_MARK).write_text(os.environ.get(SESSION_ENV, ""))
-        yield services
+        _STACKS.append(services)
+        try:
+            yield services
+        finally:
+            _STACKS.remove(services)
 
 
 @pytest.fixture(scope="session")
@@ -189,6 +197,21 @@ def pytest_unconfigure(config):
 
     atexit.register(faulthandler.enable, all_threads=True)
     _stop_stacks_left_behind()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leftover_placement_groups():
+    """A module must leave no placement group on the session's head: one left behind holds its
+    CPUs for good, and a later module whose tasks need every CPU waits until its timeout (a
+    0.75-CPU Train worker's group did that to test_ray_runner_retries in a full run). Found
+    ones are removed, so the next module runs, and fail this module's teardown by name."""
+    yield
+    if not _STACKS:
+        return
+    from deployments.testing.groups import remove_leftover_groups
+
+    if leftovers := remove_leftover_groups(_STACKS[0]):
+        pytest.fail(f"the module left placement groups on the head: {leftovers}")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -241,3 +241,13 @@ def test_the_compat_modules_name_every_private_name_they_use():
         }
         used -= {"_prl_wraps_submit"}
         assert used <= listed, sorted(used - listed)
+
+
+def test_a_placement_groups_id_ends_with_its_jobs_id():
+    """What ray_internals.job_placement_groups relies on to tell the connected job's groups
+    from other jobs' (Ray's placement group table names no creator)."""
+    import ray
+
+    for job in (ray.JobID.from_int(1), ray.JobID.from_int(0x0A0B0C)):
+        group = ray.PlacementGroupID.of(job)
+        assert group.hex().endswith(job.hex()) and group.hex() != job.hex()

@@ -302,3 +302,72 @@ def test_stopping_the_flow_process_stops_its_ray_tasks(stack, tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_a_heads_workers_look_up_their_own_cluster(stack):
+    """Ray code in a worker that looks its cluster up by itself (the state API: Ray Train's
+    placement group cleaner asks it whether a Train controller lives) is told which cluster is
+    its own, and gets an answer from it. Auto-detection fails wherever a second Ray cluster
+    runs on the machine (a test session's second worker has one), and the cleaner then never
+    removes the worker group of a trial ASHA stopped."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def look_up() -> tuple[str | None, int]:
+        from ray.util.state import list_nodes
+
+        return os.environ.get("RAY_ADDRESS"), len(list_nodes())
+
+    with stack.ray_cluster().connect():
+        address, nodes = ray.get(look_up.remote(), timeout=120)
+    assert address == stack.ray_address and nodes >= 1
+
+
+def test_placement_groups_a_sweep_left_are_removed_and_no_others(stack):
+    """After a sweep, what Ray did not remove of the groups its job made meanwhile is removed
+    (a trial's worker group Ray Train's cleaner missed); a group made before it, or by
+    another job, stays."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from prefect_ray_lifecycle.compat.ray_internals import job_placement_groups
+    from prefect_ray_lifecycle.workloads.llm.train.sweep import remove_left_groups
+
+    other_job = subprocess.Popen(
+        [sys.executable, "-c", HOLD_A_GROUP, stack.ray_address],
+        env={**os.environ, **stack.client_env()},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert other_job.stdout.readline().strip() == "holding"
+        with stack.ray_cluster().connect():
+            kept = placement_group([{"CPU": 0.1}])
+            ray.get(kept.ready(), timeout=60)
+            before = set(job_placement_groups())
+            left = placement_group([{"CPU": 0.1}])
+            ray.get(left.ready(), timeout=60)
+            try:
+                assert remove_left_groups(before, settle_s=1) == [left.id.hex()]
+                assert ray.util.placement_group_table(left)["state"] == "REMOVED"
+                assert set(job_placement_groups()) == {kept.id.hex()}
+                table = ray.util.placement_group_table()
+                assert any(
+                    info["state"] == "CREATED" and gid not in {kept.id.hex(), left.id.hex()}
+                    for gid, info in table.items()
+                ), "the other job's group went too"
+            finally:
+                remove_placement_group(kept)
+    finally:
+        other_job.kill()
+        other_job.wait(timeout=30)
+
+
+HOLD_A_GROUP = """
+import sys, time, ray
+from ray.util.placement_group import placement_group
+ray.init(address=sys.argv[1], log_to_driver=False)
+ray.get(placement_group([{"CPU": 0.1}]).ready(), timeout=60)
+print("holding", flush=True)
+time.sleep(600)
+"""

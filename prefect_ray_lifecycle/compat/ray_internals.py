@@ -27,6 +27,7 @@ __all__ = [
     "internal_kv_put",
     "is_script_mode",
     "is_worker_mode",
+    "job_placement_groups",
     "quiet_train_report_logs",
     "refresh_auth_token",
     "remote_function_name",
@@ -285,6 +286,21 @@ def train_preemption_fallback_deadline_s() -> float:
     DEFAULT_PREEMPTION_DEADLINE_S` (120 s in Ray 2.60.0), which the controller's
     `_is_preemption_deadline_exceeded` uses."""
     return float(_module("ray.train.v2._internal.constants").DEFAULT_PREEMPTION_DEADLINE_S)
+
+
+def job_placement_groups() -> dict[str, dict[str, Any]]:
+    """The connected job's placement groups that are not removed, by id (hex), as
+    `ray.util.placement_group_table()` describes them. Relies on Ray's id layout: a group's id
+    ends with the id of the job that created it (`PlacementGroupID.of(job_id)`; checked
+    against Ray 2.60.0, where the table names no creator)."""
+    import ray
+
+    job = ray.get_runtime_context().get_job_id()
+    return {
+        group_id: info
+        for group_id, info in ray.util.placement_group_table().items()
+        if group_id.endswith(job) and info["state"] != "REMOVED"
+    }
 
 
 def quiet_train_report_logs() -> None:

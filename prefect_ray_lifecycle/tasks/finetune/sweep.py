@@ -17,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from prefect_ray_lifecycle.blocks import RayCluster
+from prefect_ray_lifecycle.compat.ray_internals import job_placement_groups
 from prefect_ray_lifecycle.ray_runner.lineage import job_config, link_flow_run
 from prefect_ray_lifecycle.tasks.charts import save_png
 from prefect_ray_lifecycle.tasks.finetune.chart import draw_finetune
@@ -35,6 +36,7 @@ from prefect_ray_lifecycle.workloads.llm.train.settings import CHECKPOINT_METRIC
 from prefect_ray_lifecycle.workloads.llm.train.sweep import (
     TrialCheckpoint,
     best_checkpoint,
+    remove_left_groups,
     sweep_concurrency,
     sweep_trial,
     trial_train_storage,
@@ -166,9 +168,17 @@ def run_llm_sweep(
         path, tuner = _tuner(
             plan, sweep, tokenized_datasets(plan, train_path, eval_path), concurrency
         )
+        before = set(job_placement_groups())
         started = time.monotonic()
         results = list(tuner.fit())
         sweep_s = time.monotonic() - started
+        if left := remove_left_groups(before):
+            get_run_logger().warning(
+                "removed %d placement groups the sweep's trials left holding CPUs (Ray "
+                "Train's cleaner missed them): %s",
+                len(left),
+                left,
+            )
         del tuner
         gc.collect()  # the shared datasets' object refs go while Ray is up
     total = plan.spec.training.total_steps

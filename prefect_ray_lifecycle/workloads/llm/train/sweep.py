@@ -18,9 +18,11 @@ run at once so that their workers fit the cluster together.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from prefect_ray_lifecycle.compat.ray_internals import job_placement_groups
 from prefect_ray_lifecycle.workloads.llm.train.settings import (
     CHECKPOINT_METRIC,
     FailureSettings,
@@ -34,6 +36,7 @@ __all__ = [
     "TrialCheckpoint",
     "best_checkpoint",
     "eval_report_callback",
+    "remove_left_groups",
     "sweep_concurrency",
     "sweep_trial",
     "trial_train_storage",
@@ -43,6 +46,11 @@ __all__ = [
 SEARCHED = ("learning_rate", "warmup_steps")
 # Each trial's Ray Train run lives under the experiment's `train/<trial id>/`.
 TRAIN_RUNS = "train"
+# Tune stops a trial's actor before its Train controller has shut its worker group down, and
+# Ray Train's detached cleaner removes the group about a second later. A cleaner that cannot
+# reach the state API gives up (several clusters on one machine: "Found multiple active Ray
+# instances"), and the group then holds its CPUs after the sweep, even once its job ended.
+LEFT_GROUPS_SETTLE_S = 10.0
 
 
 def sweep_concurrency(
@@ -64,6 +72,20 @@ def sweep_concurrency(
             f"{cpus_per_worker:g}), but the Ray cluster has {cluster_cpus:g}"
         )
     return max(1, min(fit, trials, requested or trials)), None
+
+
+def remove_left_groups(before: set[str], settle_s: float = LEFT_GROUPS_SETTLE_S) -> list[str]:
+    """Once a sweep has ended: the placement groups this job made since `before` that Ray has
+    not removed within `settle_s` (see LEFT_GROUPS_SETTLE_S), removed; their ids."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    deadline = time.monotonic() + settle_s
+    while (left := set(job_placement_groups()) - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for group_id in sorted(left):
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(group_id)))
+    return sorted(left)
 
 
 def trial_train_storage(experiment: str, trial_id: str) -> str:
