@@ -31,7 +31,7 @@ from prefect_ray_lifecycle.workloads.constants import ROUTER_DEPLOYMENT
 from prefect_ray_lifecycle.workloads.serve.route_state import route_figures
 
 ROUTE = "policy-test"
-VERSIONS = 10
+VERSIONS = 11
 
 
 def fast_gates(**overrides) -> Gates:
@@ -57,7 +57,7 @@ SERVING = Serving(**FAST_SERVING)
 
 @pytest.fixture(scope="module")
 def serving(stack, checkpoints):
-    """The test process joins the cluster (as the flows do), a fresh model has nine versions
+    """The test process joins the cluster (as the flows do), a fresh model has VERSIONS versions
     of one policy, and every app this module made is deleted at the end."""
     cluster = stack.ray_cluster()
     server = MLflowServer(tracking_uri=stack.mlflow_uri)
@@ -368,6 +368,63 @@ def test_with_fallback_off_the_candidates_failures_reach_users_and_still_stop_it
     tags = verdict(serving, 10)
     assert (tags["verdict"], tags["stage"]) == ("rejected", "canary")
     assert "error rate" in tags["reason"]
+
+
+def drill_app(serving, version: str, faults: dict) -> None:
+    """A drill's faults on one version's app, in place (the router's hosted copy of it, if
+    any, is untouched); nothing when the app is gone."""
+    from prefect_ray_lifecycle.workloads.constants import POLICY_DEPLOYMENT
+
+    app = serve_control.version_app_name(serving["name"], version)
+    config = serve_control.app_configs().get(app)
+    if config is not None:
+        serve_control.apply(
+            {app: serve_control.with_user_config(config, POLICY_DEPLOYMENT, {"faults": faults})}
+        )
+
+
+def test_a_fallback_that_fails_too_returns_the_failure_it_would_have(serving):
+    """In the bake the freshly swapped v11 fails every request (a drill), and its fallback,
+    v2's app (hosted in the router until the swap, so nobody noticed), is slower than the
+    time left: each user v11 failed gets v11's own failure, the answer it would have had with
+    no fallback (its 502, or its 504 if it was too slow to fail), tagged v11 and without
+    X-Fallback-From, never v2's 504; both failures count, each against its own version, and
+    the bake rolls back."""
+    ensure_live(serving, "2")
+    assert router_status(serving)["inline_version"] == "2"
+    started = time.time()
+    drill_app(serving, "2", {"latency_ms": 3000})
+    try:
+        # Four users: a request v11 fails takes the router's whole 1 s timeout (half for v11,
+        # half for the fallback), and the bake judges 10 requests a window.
+        with load(serving, threads=4) as traffic:
+            with pytest.raises(RolloutFailed, match="rolled back"):
+                rollout(
+                    serving,
+                    11,
+                    drill=Drill(after_swap={"error_rate": 1.0}),
+                    gates=fast_gates(bake_s=20, bake_window_s=4, request_timeout_s=1),
+                )
+        ended = time.time()
+    finally:
+        drill_app(serving, "2", {})
+    assert live_version(serving) == "2"
+    failed_by_v11 = [a for a in traffic.answers if a.version == "11" and a.status >= 500]
+    assert failed_by_v11 and all(a.fallback_from is None for a in failed_by_v11)
+    errors = [(a.status, json.loads(a.body)["error"]) for a in failed_by_v11]
+
+    def v11s_own(status: int, error: str) -> bool:
+        drilled = status == 502 and "error injected by a drill" in error
+        return drilled or (status == 504 and error.startswith("v11 did not answer"))
+
+    assert all(v11s_own(*e) for e in errors) and any(s == 502 for s, _ in errors), errors
+    # No fallback answered: v2's app never made it within the time left.
+    assert not any(a.fallback_from for a in traffic.answers)
+    figures = route_figures(ROUTE, started, ended + 1)
+    assert figures["11"]["errors"] >= len(failed_by_v11), figures["11"]
+    assert figures["2"]["errors"] > 0, figures["2"]  # the fallback's own failures
+    tags = verdict(serving, 11)
+    assert (tags["verdict"], tags["stage"]) == ("rolled_back", "bake")
 
 
 def test_degradation_after_the_swap_is_rolled_back_without_a_failed_request(
