@@ -2,12 +2,14 @@
 as long as the stack and talks to Prefect).
 
 Every EVERY_S seconds, each route that ever had a rollout (it has a `serve-rollout-<route>`
-concurrency limit) is asked for its `-/status` on the RayCluster block's Serve address. A
-route whose router answers and serves a live version gets one heartbeat event,
-`ray-lifecycle.route.healthy`, with the route, its model and kind; one that does not answer
-gets none. A proactive trigger in prefect.yaml (per route) runs `reconcile` for a route whose
-heartbeats stopped after it had some: a restarted Ray head, a lost router. So a healthy route
-costs a heartbeat and no flow run, and nothing polls from a flow run.
+concurrency limit) is asked for its `-/status` on the RayCluster block's Serve address, all
+routes at once. A route whose router answers and serves a live version gets one heartbeat
+event, `ray-lifecycle.route.healthy`, with the route, its model and kind; one that does not
+answer gets none. A proactive trigger in prefect.yaml (per route) runs `reconcile` for a route
+whose heartbeats stopped after it had some: a restarted Ray head, a lost router. The rollout
+that leaves a route serving sends its first beat itself (tasks.rollout.record.heartbeat), so a
+head lost before the watch's next round is missed too. So a healthy route costs a heartbeat
+and no flow run, and nothing polls from a flow run.
 
 MLflow is never asked, so an MLflow outage is not a lost route. While Prefect is down no
 heartbeat can be sent, and the trigger (on the Prefect server) is down too: when both are
@@ -25,18 +27,18 @@ from prefect.client.orchestration import PrefectClient
 from prefect.events import Event
 
 from deployments.status import model_of
+from prefect_ray_lifecycle.tasks.rollout.record import (
+    ROUTE_HEALTHY,
+    ROUTE_REMOVED,
+    heartbeat_resource,
+    route_resource,
+)
 
-HEARTBEAT_EVENT = "ray-lifecycle.route.healthy"
-REMOVED_EVENT = "ray-lifecycle.route.removed"  # a route taken down on purpose: not lost
 EVERY_S = 10.0  # a heartbeat per healthy route this often; the trigger waits 3 of them
 PROBE_TIMEOUT_S = 5.0
 LIMIT_PREFIX = "serve-rollout-"  # tasks.rollout.claim.limit_name
 
 logger = logging.getLogger(__name__)
-
-
-def route_resource(route: str) -> str:
-    return f"ray-lifecycle.route.{route}"
 
 
 def heartbeat(route: str, status: dict[str, Any]) -> Event | None:
@@ -45,15 +47,13 @@ def heartbeat(route: str, status: dict[str, Any]) -> Event | None:
     if not live:
         return None
     return Event(
-        event=HEARTBEAT_EVENT,
-        resource={
-            "prefect.resource.id": route_resource(route),
-            "prefect.resource.name": f"/{route}",
-            "ray-lifecycle.route": route,
-            "ray-lifecycle.model": model_of(status) or "",
-            "ray-lifecycle.kind": str(live.get("kind") or "policy"),
-            "ray-lifecycle.live": str(live.get("version") or ""),
-        },
+        event=ROUTE_HEALTHY,
+        resource=heartbeat_resource(
+            route,
+            model_of(status) or "",
+            str(live.get("kind") or "policy"),
+            str(live.get("version") or ""),
+        ),
     )
 
 
@@ -63,7 +63,7 @@ def removed(route: str) -> None:
     from prefect.events import emit_event
 
     emit_event(
-        event=REMOVED_EVENT,
+        event=ROUTE_REMOVED,
         resource={"prefect.resource.id": route_resource(route), "ray-lifecycle.route": route},
     )
 
@@ -106,12 +106,14 @@ async def beat_once(client: PrefectClient, http: httpx.AsyncClient, block_name: 
     url = await serve_url(client, block_name)
     if url is None:
         return 0
-    events = []
-    for route in await watched_routes(client):
-        status = await probe(http, url, route)
-        event = heartbeat(route, status) if status is not None else None
-        if event is not None:
-            events.append(event)
+    routes = await watched_routes(client)
+    # All at once: one slow or dead route must not hold back the others' beats.
+    statuses = await asyncio.gather(*(probe(http, url, route) for route in routes))
+    events = [
+        event
+        for route, status in zip(routes, statuses, strict=True)
+        if status is not None and (event := heartbeat(route, status)) is not None
+    ]
     if events:
         await client.request("POST", "/events", json=[e.model_dump(mode="json") for e in events])
     return len(events)

@@ -26,6 +26,7 @@ from prefect_ray_lifecycle.tasks.rollout.changes import swap, withdraw
 from prefect_ray_lifecycle.tasks.rollout.claim import hold_route, route_holder
 from prefect_ray_lifecycle.tasks.rollout.config import Drill, Gates, LLMServing, Serving
 from prefect_ray_lifecycle.tasks.rollout.gates import deploy_candidate, smoke
+from prefect_ray_lifecycle.tasks.rollout.record import heartbeat
 from prefect_ray_lifecycle.tasks.rollout.rollout import (
     LiveNotRecorded,
     Rollout,
@@ -101,6 +102,7 @@ def serve_rollout(
                     faults=drill.faults,
                 )
                 result = _roll_out(rollout, drill)
+            heartbeat(route, model_name, kind, version)  # the route serves it: watch it
         finally:
             if joined is not None:  # this flow started the Ray connection: leave no handles
                 serve_control.release()

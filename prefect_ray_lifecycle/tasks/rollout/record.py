@@ -1,5 +1,6 @@
 """What a rollout leaves behind for people and automations: the version's verdict tags and
-the `live` alias in MLflow, a Prefect event per outcome, and a timeline artifact."""
+the `live` alias in MLflow, a Prefect event per outcome, the route's heartbeat, and a timeline
+artifact."""
 
 from __future__ import annotations
 
@@ -21,7 +22,21 @@ from prefect_ray_lifecycle.tasks.rollout.chart import draw_rollout
 from prefect_ray_lifecycle.tasks.rollout.config import Gates
 from prefect_ray_lifecycle.workloads.serve.route_state import route_series, route_shadow_series
 
-__all__ = ["Timeline", "emit", "record"]
+__all__ = [
+    "ROUTE_HEALTHY",
+    "ROUTE_REMOVED",
+    "Timeline",
+    "emit",
+    "heartbeat",
+    "heartbeat_resource",
+    "record",
+    "route_resource",
+]
+
+# A route that serves a live version beats (deployments.route_watch, and each rollout that
+# leaves it serving); a proactive trigger in prefect.yaml restores one whose beats stop.
+ROUTE_HEALTHY = "ray-lifecycle.route.healthy"
+ROUTE_REMOVED = "ray-lifecycle.route.removed"  # a route taken down on purpose: not lost
 
 
 @mlflow_task
@@ -64,6 +79,29 @@ def emit(outcome: str, model_name: str, version: str, route: str, payload: dict[
         },
         payload=payload,
     )
+
+
+def route_resource(route: str) -> str:
+    return f"ray-lifecycle.route.{route}"
+
+
+def heartbeat_resource(route: str, model_name: str, kind: str, live: str) -> dict[str, str]:
+    """The resource of a route's heartbeat: what the restoring trigger hands reconcile."""
+    return {
+        "prefect.resource.id": route_resource(route),
+        "prefect.resource.name": f"/{route}",
+        "ray-lifecycle.route": route,
+        "ray-lifecycle.model": model_name,
+        "ray-lifecycle.kind": kind,
+        "ray-lifecycle.live": live,
+    }
+
+
+def heartbeat(route: str, model_name: str, kind: str, live: str) -> None:
+    """The route's first heartbeat, from the rollout that left it serving: the trigger only
+    misses a route that has beaten once, and the watch's next round may come after the route
+    is already gone (a head lost seconds after a first rollout)."""
+    emit_event(event=ROUTE_HEALTHY, resource=heartbeat_resource(route, model_name, kind, live))
 
 
 class Timeline:
