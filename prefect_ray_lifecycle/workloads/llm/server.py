@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from prefect_ray_lifecycle.workloads.constants import (
     LLM_DEPLOYMENT,
     REQUEST_ID_HEADER,
     SHADOW_KEY,
+    STREAM_FAILED_KEY,
     VERSION_HEADER,
 )
 from prefect_ray_lifecycle.workloads.http import JSON_TYPE, BadRequest, request_dict
@@ -201,8 +203,9 @@ class LLMServer:
 
     async def handle_http_stream(self, request: dict):
         """Streaming twin of handle_http (call with handle.options(stream=True)): first
-        {"status", "headers"}, then the body as bytes chunks (SSE for "stream": true); asked
-        for a shadow comparison, last {SHADOW_KEY: the token ids}, which the router keeps."""
+        {"status", "headers"}, then the body as bytes chunks (SSE for "stream": true); last,
+        {STREAM_FAILED_KEY: True} when the stream failed after its first byte, else, asked for
+        a shadow comparison, {SHADOW_KEY: the token ids}. The router keeps both."""
         reply = await self._respond(
             request.get("method", "POST"),
             request.get("path", "/"),
@@ -215,7 +218,9 @@ class LLMServer:
                 yield chunk
         elif reply.body:
             yield reply.body
-        if request.get(SHADOW_KEY) and reply.status == 200:
+        if reply.generation is not None and reply.generation.failed:
+            yield {STREAM_FAILED_KEY: True}
+        elif request.get(SHADOW_KEY) and reply.status == 200:
             yield {SHADOW_KEY: reply.shadow()}
 
     async def stats(self, reset: bool = False) -> dict:
@@ -317,6 +322,11 @@ class LLMServer:
         )
         generation = Generation(self, request_id, prompt_ids, params, answer_format)
         if request.stream:
+            faults = self.faults
+            if faults.stream_refuse_rate and random.random() < faults.stream_refuse_rate:
+                refused = error_body(503, "stream refused by a drill", code="drill")
+                return self._error_reply(503, request_id, refused)
+            generation.break_after = faults.stream_break_after_tokens
             headers = self._headers(request_id, EVENT_STREAM_TYPE)
             return Reply(200, headers, stream=generation.sse(), generation=generation)
         try:
@@ -349,6 +359,8 @@ class Generation:
         self.first_token_at: float | None = None
         self.completion_tokens = 0
         self.token_ids: list[int] = []
+        self.break_after = 0  # a drill's: the stream fails after this many tokens (0: never)
+        self.failed = False  # the stream ended with an error event of the version's own
 
     def _usage(self) -> dict[str, int]:
         return usage(len(self.prompt_ids), self.completion_tokens)
@@ -365,6 +377,9 @@ class Generation:
             self.completion_tokens += len(completion.token_ids)
             self.token_ids.extend(completion.token_ids)
             yield completion
+            tokens = self.completion_tokens
+            if self.break_after and tokens >= self.break_after and not completion.finish_reason:
+                raise RuntimeError(f"stream broken by a drill after {tokens} tokens")
 
     def _record(self) -> None:
         self.server.stats_data.record(
@@ -393,10 +408,11 @@ class Generation:
             self._record()
             if self.format.include_usage:
                 yield sse(self.format.usage_chunk(self._usage()))
-        except BadRequest as error:
+        except BadRequest as error:  # the request's fault, not the version's
             self.server.stats_data.count_error(error.status)
             yield sse(bad_request_body(error))
         except Exception as exc:
+            self.failed = True
             self.server.stats_data.count_error(500)
             yield sse(error_body(500, f"generation failed: {exc}", code="engine_error"))
         yield SSE_DONE

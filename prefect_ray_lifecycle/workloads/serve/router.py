@@ -44,6 +44,7 @@ from prefect_ray_lifecycle.workloads.constants import (
     FALLBACK_HEADER,
     ROUTER_DEPLOYMENT,
     SHADOW_KEY,
+    STREAM_FAILED_KEY,
 )
 from prefect_ray_lifecycle.workloads.http import (
     MAX_BODY_BYTES,
@@ -429,8 +430,9 @@ class Router:
             extras = None
             try:
                 async for chunk in stream:
-                    if isinstance(chunk, dict):  # the shadow's extras, not for the user
-                        extras = chunk.get(SHADOW_KEY)
+                    if isinstance(chunk, dict):  # for the router: failed after its first byte
+                        failed = failed or bool(chunk.get(STREAM_FAILED_KEY))  # (counted only)
+                        extras = chunk.get(SHADOW_KEY, extras)  # or the shadow's extras
                         continue
                     yield chunk
             except Exception:
