@@ -46,7 +46,7 @@ from prefect_ray_lifecycle.workloads.llm.protocol import (
     parse_json_body,
 )
 from prefect_ray_lifecycle.workloads.serve.policy import MAX_BATCH, PolicyCore
-from prefect_ray_lifecycle.workloads.serve.router import (
+from prefect_ray_lifecycle.workloads.serve.route_state import (
     MAX_STATUS_WINDOW_S,
     STATUS_WINDOW_S,
     status_window,

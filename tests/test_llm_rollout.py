@@ -449,6 +449,40 @@ def test_a_stream_falls_back_only_before_its_first_byte(stack, llm_model, served
     ).version == (served)
 
 
+def test_a_hosted_engine_that_stops_leaves_its_app_answering_until_it_is_back(
+    stack, llm_model, served
+):
+    """The engine the router hosts for live stops, as a crashed one does (a drill on the
+    router's replica): completions go on, answered by live's app, and the router's next
+    health checks load the engine again, with nobody acting."""
+    port, name = stack.serve_port, llm_model["name"]
+    with llm_model["cluster"].connect():
+        router = serve_control.handle(serve_control.router_app_name(ROUTE), ROUTER_DEPLOYMENT)
+        app = serve_control.handle(serve_control.version_app_name(name, served), LLM_DEPLOYMENT)
+        assert router_status(port)["inline_version"] == served
+
+        def app_requests() -> int:
+            return app.stats.remote().result(timeout_s=30)["requests"]
+
+        before = app_requests()
+        assert router.stop_hosted.remote().result(timeout_s=30) == served
+        unhosted: list[tuple[int, str | None]] = []  # answered while nothing was hosted
+        deadline = time.monotonic() + 240
+        while (status := router_status(port)) is None or status["inline_version"] != served:
+            assert time.monotonic() < deadline, f"the router did not host v{served} again"
+            if status is None:
+                continue
+            response = completion(port, name)
+            after = router_status(port)
+            if not status["inline_version"] and after and not after["inline_version"]:
+                unhosted.append((response.status_code, response.headers.get(VERSION_HEADER)))
+        counted = app_requests() - before
+        serve_control.release()
+    assert unhosted and set(unhosted) == {(200, served)}, unhosted
+    assert counted >= len(unhosted), (counted, unhosted)
+    assert completion(port, name).status_code == 200
+
+
 @pytest.fixture(scope="module")
 def served(stack, llm_model) -> str:
     """The live version of the route, its engine hosted in the router's replica (the test

@@ -26,9 +26,10 @@ class Hosted:
     """What the router needs of a hosted version."""
 
     version: str
+    closed = False
 
     def alive(self) -> bool:
-        return True
+        return not self.closed
 
     async def answer(self, request: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
@@ -41,6 +42,7 @@ class Hosted:
 
     def close(self) -> None:
         """Free what it holds once no request uses it any more (never blocks)."""
+        self.closed = True
 
 
 class HostedPolicy(Hosted):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
 from collections import defaultdict, deque
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ import ray
 from prefect_ray_lifecycle.compat.ray_internals import actor_class
 from prefect_ray_lifecycle.workloads.constants import SERVE_NAMESPACE
 from prefect_ray_lifecycle.workloads.figures import percentile, summarize
+from prefect_ray_lifecycle.workloads.http import BadRequest, describe
 from prefect_ray_lifecycle.workloads.serve.shadow import summarize_shadow
 
 if TYPE_CHECKING:
@@ -36,11 +38,14 @@ __all__ = [
     "route_shadow_series",
     "route_state",
     "route_state_name",
+    "status_window",
 ]
 
 logger = logging.getLogger("ray.serve")
 
 FIGURES_KEEP_S = 900.0
+STATUS_WINDOW_S = 300  # the figures `GET <route>/-/status` reports: the last 5 minutes
+MAX_STATUS_WINDOW_S = int(FIGURES_KEEP_S)  # what the route's state keeps
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's own resource of the head node
 STATS_FLUSH_S = 0.25
 LEASE_POLL_S = 0.5
@@ -404,3 +409,17 @@ def drop_route_state(route: str) -> None:
     actor = route_state(route, create=False)
     if actor is not None:
         ray.kill(actor)
+
+
+def status_window(values: list[str]) -> int:
+    """The figures window of `GET <route>/-/status?window_s=N`: whole seconds within
+    [1, MAX_STATUS_WINDOW_S], STATUS_WINDOW_S when not given; a 400 for anything else."""
+    if not values:
+        return STATUS_WINDOW_S
+    expected = f"a whole number of seconds from 1 to {MAX_STATUS_WINDOW_S}"
+    if len(values) > 1:
+        raise BadRequest(400, f"window_s is given {len(values)} times; give it once: {expected}")
+    value = values[0]
+    if not re.fullmatch(r"[0-9]{1,6}", value) or not 1 <= int(value) <= MAX_STATUS_WINDOW_S:
+        raise BadRequest(400, f"window_s must be {expected}, got {describe(value)}", "window_s")
+    return int(value)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import re
 import threading
 import time
 from typing import Any
@@ -49,7 +48,6 @@ from prefect_ray_lifecycle.workloads.constants import (
 from prefect_ray_lifecycle.workloads.http import (
     MAX_BODY_BYTES,
     BadRequest,
-    describe,
     json_response,
     peek_field,
     request_dict,
@@ -58,7 +56,7 @@ from prefect_ray_lifecycle.workloads.http import (
 )
 from prefect_ray_lifecycle.workloads.serve import upstream
 from prefect_ray_lifecycle.workloads.serve.hosted import Hosted, host
-from prefect_ray_lifecycle.workloads.serve.route_state import FIGURES_KEEP_S, RouteStateClient
+from prefect_ray_lifecycle.workloads.serve.route_state import RouteStateClient, status_window
 from prefect_ray_lifecycle.workloads.serve.router_config import RouterConfig, Target
 from prefect_ray_lifecycle.workloads.serve.shadow import (
     Copy,
@@ -72,13 +70,11 @@ from prefect_ray_lifecycle.workloads.serve.traffic import (
     sticky_draw,
 )
 
-__all__ = ["Router", "build_router_app", "status_window"]
+__all__ = ["Router", "build_router_app"]
 
 logger = logging.getLogger("ray.serve")
 
 FALLBACK_SHARE = 0.5  # of the request's timeout, left for the fallback attempt
-STATUS_WINDOW_S = 300  # the figures `GET <route>/-/status` reports: the last 5 minutes
-MAX_STATUS_WINDOW_S = int(FIGURES_KEEP_S)  # what the route's state keeps
 FIGURES_TIMEOUT_S = 2.0  # status answers without figures rather than wait longer
 # A handle to a version the config no longer names is shut down this long after: requests
 # already sent through it end first (shutting one down stops its metrics pushes; its
@@ -134,7 +130,8 @@ class Router:
         )
 
     def _load_inline(self, live: Target) -> None:
-        if self.inline is not None and self.inline.version == live.version:
+        inline = self.inline
+        if inline is not None and inline.version == live.version and inline.alive():
             return
         with self._lock:
             if self.loading == live.version:
@@ -269,7 +266,20 @@ class Router:
         return await inline.stats(reset)
 
     def check_health(self) -> None:
-        pass  # what it hosts has a fallback (the version's app); targets have their own checks
+        """Never fails: what it hosts has a fallback (the version's app), and targets have
+        their own checks. A hosted engine whose loop stopped is loaded again."""
+        config, inline = self.config, self.inline
+        if config.inline_live and inline is not None and not inline.alive():
+            if config.live is not None and inline.version == config.live.version:
+                self._load_inline(config.live)
+
+    def stop_hosted(self) -> str | None:
+        """A drill: what this replica hosts stops as a crashed engine does, left in place, so
+        its app answers until the next health check loads it again; its version, or None."""
+        inline = self.inline
+        if inline is not None:
+            inline.close()
+        return inline.version if inline is not None else None
 
     async def __call__(self, request: Any) -> Any:
         self._start_background()
@@ -463,20 +473,6 @@ def _shut_down(handle: Any, key: tuple[str, str]) -> None:
 
 def _ms_since(started: float) -> float:
     return (time.perf_counter() - started) * 1000
-
-
-def status_window(values: list[str]) -> int:
-    """The figures window of `GET <route>/-/status?window_s=N`: whole seconds within
-    [1, MAX_STATUS_WINDOW_S], STATUS_WINDOW_S when not given; a 400 for anything else."""
-    if not values:
-        return STATUS_WINDOW_S
-    expected = f"a whole number of seconds from 1 to {MAX_STATUS_WINDOW_S}"
-    if len(values) > 1:
-        raise BadRequest(400, f"window_s is given {len(values)} times; give it once: {expected}")
-    value = values[0]
-    if not re.fullmatch(r"[0-9]{1,6}", value) or not 1 <= int(value) <= MAX_STATUS_WINDOW_S:
-        raise BadRequest(400, f"window_s must be {expected}, got {describe(value)}", "window_s")
-    return int(value)
 
 
 def _wants_stream(req: dict[str, Any]) -> bool:
