@@ -12,15 +12,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import json
 import os
 import signal
 import time
 import uuid
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -28,6 +24,7 @@ import requests
 from mlflow import MlflowClient
 
 from deployments import local
+from deployments.testing import drive
 from deployments.testing.fast import FAST_SERVING
 from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.watch import route_status, wait_for
@@ -102,18 +99,8 @@ def observations(n: int) -> tuple[bytes, dict[str, str]]:
     return json.dumps({"observations": rng.uniform(-0.5, 0.5, (4, 4)).tolist()}).encode(), {}
 
 
-@contextlib.contextmanager
-def rolling_out(route, version: str, gates: Gates) -> Iterator[Future]:
-    """serve_rollout of `version` on the route, in a thread running a copy of this context
-    (Prefect's settings live in context variables); yields its future."""
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(
-            contextvars.copy_context().run,
-            serve_rollout,
-            version=version,
-            gates=gates,
-            **route["common"],
-        )
+def rolling_out(route, version: str, gates: Gates):
+    return drive.rolling_out(version=version, gates=gates, **route["common"])
 
 
 def replica_statuses(route, count: int = 2, window_s: int | None = None) -> dict[str, dict]:
@@ -129,13 +116,6 @@ def replica_statuses(route, count: int = 2, window_s: int | None = None) -> dict
 
     wait_for(f"{count} router replicas answer -/status", all_answered, 60, every=0.05)
     return found
-
-
-def running_routers() -> dict[str, int]:
-    """{replica id: pid} of the route's router replicas Serve reports RUNNING."""
-    app = serve_control.details()["applications"][serve_control.router_app_name(ROUTE)]
-    replicas = app["deployments"]["Router"]["replicas"]
-    return {r["replica_id"]: r["pid"] for r in replicas if str(r["state"]).endswith("RUNNING")}
 
 
 def test_a_router_replica_killed_in_a_canary_fails_only_what_it_held_and_both_agree(route):
@@ -154,7 +134,7 @@ def test_a_router_replica_killed_in_a_canary_fails_only_what_it_held_and_both_ag
         assert len({s["lease"]["holder"] for s in seen.values()}) == 1
         assert all(s["lease"]["held"] and s["serving"] == "as configured" for s in seen.values())
         assert len({json.dumps(s["config"], sort_keys=True) for s in seen.values()}) == 1
-        before = running_routers()
+        before = drive.router_pids(ROUTE)
         assert set(before) == set(seen), (before, seen)
         victim = sorted(before)[0]
         figures_until = time.time() - 2  # reports of both replicas flushed by then
@@ -178,7 +158,7 @@ def test_a_router_replica_killed_in_a_canary_fails_only_what_it_held_and_both_ag
     assert 0.8 * len(answered) <= counted <= 1.1 * len(answered), (counted, len(answered))
     # Serve replaced the killed replica; both replicas serve v2 alone, with the same figures.
     now = replica_statuses(route, window_s=60)
-    assert victim not in now and set(now) == set(running_routers()), (victim, now)
+    assert victim not in now and set(now) == set(drive.router_pids(ROUTE)), (victim, now)
     for status in now.values():
         assert status["config"]["live"]["version"] == "2" and status["config"]["rollout"] is None
         assert status["candidate_share"] == 0.0

@@ -12,10 +12,10 @@ import time
 import pytest
 from mlflow import MlflowClient
 
-from deployments import local, setup
+from deployments import local
 from deployments.testing.fast import FAST_SERVING
 from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
-from deployments.testing.stack import deployed
+from deployments.testing.stack import deployed, start_all, stop_all
 from deployments.testing.watch import (
     deployment_runs,
     explain_on_failure,
@@ -49,20 +49,6 @@ SERVING = FAST_SERVING
 FAST = {"gates": GATES, "serving": SERVING}
 
 pytestmark = pytest.mark.slow
-
-
-def stop_the_stack(stack) -> None:
-    """What the README says to run: the worker (and the flow runs it started), then every
-    service, the Ray head too."""
-    setup.stop_worker(stack.state_dir)
-    for service in reversed(stack.services):
-        local.stop(service)
-
-
-def start_the_stack(stack) -> list[str]:
-    for service in stack.services:
-        assert local.start(service).startswith("started"), service.name
-    return setup.start_worker(stack.state_dir, stack.client_env()).splitlines()
 
 
 @pytest.fixture(scope="module")
@@ -216,9 +202,9 @@ def stack_comes_back_unwedged(stack, lifecycle, prefect_client):
     )
     subflow = _children(prefect_client, rolling.id)
     assert [prefect_client.read_flow(r.flow_id).name for r in subflow] == ["serve-rollout"]
-    stop_the_stack(stack)
+    stop_all(stack)
     restarted = time.time()
-    swept = start_the_stack(stack)
+    swept = start_all(stack)
 
     # The worker's start found both dead runs and marked them Crashed.
     for run in (rolling, *subflow):

@@ -9,11 +9,33 @@ Prefect API (the route's concurrency limit)."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["held", "leave_record"]
+__all__ = ["held", "leave_record", "rolling_out", "router_pids"]
+
+
+@contextlib.contextmanager
+def rolling_out(**rollout: Any) -> Iterator[Future]:
+    """serve_rollout(**rollout) in a thread running a copy of this context (Prefect's
+    settings live in context variables); yields its future."""
+    from prefect_ray_lifecycle.flows.rollout import serve_rollout
+
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(contextvars.copy_context().run, serve_rollout, **rollout)
+
+
+def router_pids(route: str) -> dict[str, int]:
+    """{replica id: pid} of the route's router replicas Serve reports RUNNING."""
+    from prefect_ray_lifecycle.control import serve_control
+    from prefect_ray_lifecycle.workloads.constants import ROUTER_DEPLOYMENT
+
+    app = serve_control.details()["applications"][serve_control.router_app_name(route)]
+    replicas = app["deployments"][ROUTER_DEPLOYMENT]["replicas"]
+    return {r["replica_id"]: r["pid"] for r in replicas if str(r["state"]).endswith("RUNNING")}
 
 
 @contextlib.contextmanager

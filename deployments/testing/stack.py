@@ -122,6 +122,24 @@ def temporary_stack(ray_num_cpus: int, prefix: str = "rlt-") -> Iterator[Stack]:
         shutil.rmtree(state_dir, ignore_errors=True)
 
 
+def stop_all(stack: Stack) -> None:
+    """What the README says to run to stop it all: the worker (and the flow runs it
+    started), then every service, the Ray head too."""
+    setup.stop_worker(stack.state_dir)
+    for service in reversed(stack.services):
+        local.stop(service)
+
+
+def start_all(stack: Stack) -> list[str]:
+    """Every service again on its own state folder and port, then the worker; what the
+    worker's start said (the dead runs it marked Crashed among it)."""
+    for service in stack.services:
+        outcome = local.start(service)
+        if not outcome.startswith("started"):
+            raise RuntimeError(f"{service.name}: {outcome}")
+    return setup.start_worker(stack.state_dir, stack.client_env()).splitlines()
+
+
 def environment(stack: Stack, routes: tuple[str, ...] = ("policy",)) -> setup.Environment:
     """The stack as a deployment environment (what `deployments.setup` fills in)."""
     return setup.Environment(
