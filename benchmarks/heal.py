@@ -32,7 +32,7 @@ from typing import Any
 from benchmarks._output import strict_json
 from deployments import local
 from deployments.testing import drive
-from deployments.testing.fast import FAST_SERVING
+from deployments.testing.fast import FAST_SERVING, ONE_STEP_CANARY
 from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.stack import deployed, start_all, stop_all
 from deployments.testing.watch import route_status, started_run, wait_for
@@ -40,20 +40,7 @@ from deployments.testing.watch import route_status, started_run, wait_for
 WATCHED = "cartpole-ppo"  # the model prefect.yaml's champion trigger rolls out, on /policy
 FAULTS_ROUTE = "heal"
 OUTAGE_S = 30
-GATES = {
-    "health_timeout_s": 180,
-    "stability_window_s": 2,
-    "canary_steps": [0.5],
-    "canary_hold_s": 6,
-    "canary_min_requests": 5,
-    "canary_max_wait_s": 180,
-    "bake_s": 3,
-    "bake_window_s": 2,
-    "max_error_rate": 0.05,
-    "max_p99_ms": 5000,
-    "p99_slack_ms": 3000,
-    "lease_s": 5,
-}
+GATES = {**ONE_STEP_CANARY, "health_timeout_s": 180, "canary_hold_s": 6, "canary_max_wait_s": 180}
 
 
 def main(argv: list[str] | None = None) -> int:

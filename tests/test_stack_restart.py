@@ -13,7 +13,7 @@ import pytest
 from mlflow import MlflowClient
 
 from deployments import local
-from deployments.testing.fast import FAST_SERVING
+from deployments.testing.fast import FAST_SERVING, ONE_STEP_CANARY
 from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.stack import deployed, start_all, stop_all
 from deployments.testing.watch import (
@@ -30,21 +30,7 @@ from prefect_ray_lifecycle.tasks.rollout.claim import run_and_subflows
 
 MODEL = "cartpole-ppo"  # the model prefect.yaml's reconcile trigger watches
 ROUTE = "policy"
-GATES = {
-    "health_timeout_s": 120,
-    "stability_window_s": 2,
-    "canary_steps": [0.5],
-    "canary_hold_s": 3,
-    # Without load a canary waits for its requests: the stack is stopped while it waits.
-    "canary_min_requests": 5,
-    "canary_max_wait_s": 120,
-    "bake_s": 3,
-    "bake_window_s": 2,
-    "max_error_rate": 0.05,
-    "max_p99_ms": 5000,
-    "p99_slack_ms": 3000,
-    "lease_s": 5,
-}
+GATES = ONE_STEP_CANARY
 SERVING = FAST_SERVING
 FAST = {"gates": GATES, "serving": SERVING}
 
