@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from prefect_ray_lifecycle.compat import Symbol, prefect_internals, ray_internals
+from prefect_ray_lifecycle.compat import Symbol, prefect_internals, ray_internals, vllm_internals
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "prefect_ray_lifecycle"
 COMPAT = PACKAGE / "compat"
 WALKED = [PACKAGE, ROOT / "deployments", ROOT / "benchmarks"]
-UPSTREAM = ("ray", "prefect", "prefect_ray")
+UPSTREAM = ("ray", "prefect", "prefect_ray", "vllm")
 
 
 def parse(source: str) -> ast.Module:
@@ -231,7 +231,10 @@ def test_every_private_name_the_compat_modules_rely_on_still_exists(symbol):
 def test_the_compat_modules_name_every_private_name_they_use():
     """Each private upstream name a compat module uses is listed in its SYMBOLS, so the
     test above checks it."""
-    for module, symbols in ((ray_internals, ray_internals.SYMBOLS),):
+    for module, symbols in (
+        (ray_internals, ray_internals.SYMBOLS),
+        (vllm_internals, vllm_internals.SYMBOLS),
+    ):
         listed = {part for s in symbols for part in (*s.module.split("."), *s.path.split("."))}
         tree = parse(Path(module.__file__).read_text())
         used = {
@@ -251,3 +254,40 @@ def test_a_placement_groups_id_ends_with_its_jobs_id():
     for job in (ray.JobID.from_int(1), ray.JobID.from_int(0x0A0B0C)):
         group = ray.PlacementGroupID.of(job)
         assert group.hex().endswith(job.hex()) and group.hex() != job.hex()
+
+
+RESOLVE_IN_LLM_VENV = """
+import importlib, inspect, json, sys
+missing = []
+for module, path, instance in json.loads(sys.argv[1]):
+    try:
+        obj = importlib.import_module(module)
+        parts = path.split(".")
+        last = parts.pop() if instance else None
+        for part in parts:
+            obj = getattr(obj, part)
+        if last is not None and f"self.{last}" not in inspect.getsource(obj):
+            raise AttributeError(f"{obj.__name__} sets no self.{last}")
+    except Exception as error:
+        missing.append(f"{module}:{path}: {error!r}")
+print(json.dumps(missing))
+"""
+
+
+@pytest.mark.llm
+def test_every_private_vllm_name_still_exists_in_the_llm_venv():
+    """vLLM is only in the LLM venv: its private names are resolved there."""
+    import json
+    import subprocess
+
+    from prefect_ray_lifecycle.workloads.constants import llm_python
+
+    symbols = json.dumps([list(s) for s in vllm_internals.SYMBOLS])
+    done = subprocess.run(
+        [llm_python(), "-c", RESOLVE_IN_LLM_VENV, symbols],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [], "update compat/vllm_internals.py"

@@ -480,7 +480,8 @@ def test_a_hosted_engine_that_stops_leaves_its_app_answering_until_it_is_back(
         serve_control.release()
     assert unhosted and set(unhosted) == {(200, served)}, unhosted
     assert counted >= len(unhosted), (counted, unhosted)
-    assert completion(port, name).status_code == 200
+    last = completion(port, name)
+    assert last.status_code == 200 and last.headers[VERSION_HEADER] == served, last.text
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
-"""Every private Ray or Prefect name the project relies on: one module per upstream package
-(`ray_internals`, `prefect_internals`), each use saying what it relies on and the version it
-was checked against. Nowhere else may the project name them (tests/test_compat.py walks the
-code's AST), and each module's SYMBOLS lists them, so that the test names the symbol an
-upgrade removed."""
+"""Every private Ray, Prefect or vLLM name the project relies on: one module per upstream
+package (`ray_internals`, `prefect_internals`, `vllm_internals`), each use saying what it
+relies on and the version it was checked against. Nowhere else may the project name them
+(tests/test_compat.py walks the code's AST), and each module's SYMBOLS lists them, so that the
+test names the symbol an upgrade removed."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefect_ray_lifecycle.compat.vllm_internals import shut_down_in_process
 from prefect_ray_lifecycle.workloads.figures import percentile
 from prefect_ray_lifecycle.workloads.llm.config import EngineSettings
 from prefect_ray_lifecycle.workloads.llm.protocol import invalid
@@ -116,9 +117,13 @@ class EngineLoop:
                 self.inbox.put(("abort", request_id))
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop stepping, then release the engine; never the process's distributed state,
+        which another engine in the process (a router's next hosted version) still uses."""
         self._stop.set()
         self.inbox.put(("stop",))
         self.thread.join(timeout)
+        if not self.thread.is_alive():
+            shut_down_in_process(self.engine)
 
     def _deliver(self, request_id: str, item) -> None:
         target = self.streams.get(request_id)
