@@ -248,23 +248,16 @@ def test_an_llm_version_rolls_out_through_the_gates_with_zero_failed_requests(st
     live = registry.resolve_alias(llm_model["client"], llm_model["name"], registry.LIVE)
     assert live.version == "2"
 
-    # Streaming crosses the router chunk by chunk, tagged with the live version: the events
-    # arrive as tokens are generated, not together once the answer is done. (Serve's proxy
-    # forwards whatever chunks have queued when it is scheduled, so on a busy machine several
-    # may arrive in one read: the claim is that the first ones come before the end.)
+    # A stream through the router: SSE events tagged with the live version, ended by [DONE].
+    # That they arrive as tokens are generated (not once the answer is whole) is judged on a
+    # clock the test controls, in the slow-token test below.
     response = completion(stack.serve_port, llm_model["name"], stream=True, max_tokens=64)
     assert response.status_code == 200 and response.headers["X-Model-Version"] == "2"
-    arrivals = [
-        (time.perf_counter(), line[6:])
-        for line in response.iter_lines(decode_unicode=True)
-        if line.startswith("data: ")
+    events = [
+        line[6:] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")
     ]
-    events = [event for _, event in arrivals]
     assert events[-1] == "[DONE]" and len(events) > 2
     assert all("choices" in json.loads(e) for e in events[:-1])
-    offsets = [round(t - arrivals[0][0], 4) for t, _ in arrivals]
-    apart = sum(b - a > 0.002 for a, b in zip(offsets, offsets[1:], strict=False))
-    assert apart >= 1 and offsets[-1] - offsets[0] > 0.005, offsets
 
     # Steady state: the router's own replica answers with v2's engine, so v2's app sees none
     # of these requests, and the router's engine counts every one.

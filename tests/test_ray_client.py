@@ -62,19 +62,33 @@ def test_the_smoke_flow_over_ray_client_records_its_task_runs_and_says_what_it_l
     assert [log.level for log in warnings] == [logging.WARNING]
 
 
-def test_the_runner_used_outside_any_flow_run_over_ray_client_runs_its_task(stack):
-    """A runner used as a library (no flow run): the Ray Client warning goes to the module's
-    logger (there is no run logger to take it) and the task's answer comes back."""
+def outside_cluster(stack, kind: str) -> RayCluster:
+    """The stack's cluster by each address kind a RayCluster block takes."""
+    if kind == "ray-client":
+        return client_cluster(stack)
+    if kind == "gcs":
+        return stack.ray_cluster()
+    return RayCluster(num_cpus=1)  # embedded: a Ray of its own in this process
+
+
+@pytest.mark.parametrize("kind", ["ray-client", "gcs", "embedded"])
+def test_the_runner_used_outside_any_flow_run_runs_its_task_on_every_address_kind(stack, kind):
+    """A runner used as a library (no flow run), as stock prefect-ray's is: the task's answer
+    comes back from a Ray worker of the cluster the address names. Over Ray Client the warning
+    about what it lacks goes to the module's logger (there is no run logger to take it);
+    elsewhere there is nothing to warn about."""
+    import ray
     from prefect import task
     from prefect.logging.loggers import get_logger
 
     from prefect_ray_lifecycle.ray_runner import RayClusterTaskRunner
 
     @task
-    def where(x: int) -> tuple[int, str]:
+    def where(x: int) -> tuple[int, str, str]:
         import ray
 
-        return x * 2, ray.get_runtime_context().get_node_id()
+        context = ray.get_runtime_context()
+        return x * 2, context.get_node_id(), context.gcs_address
 
     said: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
@@ -82,13 +96,18 @@ def test_the_runner_used_outside_any_flow_run_over_ray_client_runs_its_task(stac
     logger = get_logger("prefect_ray_lifecycle.ray_runner.runner")
     logger.addHandler(handler)
     try:
-        with RayClusterTaskRunner(client_cluster(stack)) as runner:
+        with RayClusterTaskRunner(outside_cluster(stack, kind)) as runner:
             future = runner.submit(where, parameters={"x": 21}, wait_for=[])
-            doubled, node = future.result(timeout=120)
+            doubled, node, gcs = future.result(timeout=120)
     finally:
         logger.removeHandler(handler)
-    assert doubled == 42 and node  # it ran in a Ray worker of the cluster
-    assert [record.getMessage() for record in said] == [RAY_CLIENT_LIMITS]
+    assert doubled == 42 and node  # it ran in a Ray worker ...
+    head_port = stack.ray_address.rpartition(":")[2]
+    # ... of the stack's head, or (embedded) of a Ray of the runner's own
+    assert (gcs.rpartition(":")[2] == head_port) == (kind != "embedded"), (kind, gcs)
+    expected = [RAY_CLIENT_LIMITS] if kind == "ray-client" else []
+    assert [record.getMessage() for record in said] == expected
+    assert not ray.is_initialized()  # the runner let go of what it started
 
 
 CONNECT = """

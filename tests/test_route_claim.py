@@ -1,0 +1,72 @@
+"""A route's claim (tasks.rollout.claim) when its holder died: the next claimant frees the dead
+holder's Prefect slot by the lease id the holder recorded, rather than wait for Prefect to
+expire it. On the session's Ray head and Prefect server; no Serve app."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+import uuid
+
+import httpx
+import pytest
+import ray
+from prefect.client.orchestration import get_client
+
+from prefect_ray_lifecycle.tasks.rollout.claim import ensure_rollout_limit, hold_route
+from prefect_ray_lifecycle.workloads.serve.route_state import drop_route_state, route_state
+
+ROUTE = "claim-test"
+DEAD_SLOT_S = 3600  # the dead holder's slot would outlive the test many times over
+
+
+def test_a_dead_holders_slot_is_freed_by_its_lease_id_not_left_to_expire(stack):
+    with stack.ray_cluster().connect():
+        limit = ensure_rollout_limit(ROUTE)
+        actor = route_state(ROUTE)
+        dead_slot = None
+        try:
+            # A holder that took the slot (for an hour) and the route's lease (for 1 s), then
+            # died: it renews neither.
+            dead = str(uuid.uuid4())
+            with get_client(sync_client=True) as client:
+                response = client.increment_concurrency_slots_with_lease(
+                    names=[limit], slots=1, mode="concurrency", lease_duration=DEAD_SLOT_S
+                )
+            dead_slot = uuid.UUID(response.json()["lease_id"])
+            granted = ray.get(actor.claim.remote(dead, 1.0, {"slot_lease_id": str(dead_slot)}))
+            assert granted["granted"]
+
+            taken: dict = {}
+
+            def take() -> None:
+                with hold_route(ROUTE, str(uuid.uuid4()), lease_s=10) as claim:
+                    taken["claim"] = claim
+                    with get_client(sync_client=True) as client:
+                        taken["active"] = client.read_global_concurrency_limit_by_name(
+                            limit
+                        ).active_slots
+                        # The dead holder's lease is gone: Prefect no longer renews it.
+                        with pytest.raises(httpx.HTTPStatusError) as gone:
+                            client.renew_concurrency_lease(dead_slot, 60)
+                        taken["renew_status"] = gone.value.response.status_code
+
+            claimant = threading.Thread(
+                target=contextvars.copy_context().run, args=(take,), daemon=True
+            )
+            claimant.start()
+            # Freed, the slot is had within a few polls; left to expire, not for an hour.
+            claimant.join(timeout=120)
+            assert not claimant.is_alive(), "the claimant still waits for the dead holder's slot"
+            assert taken["claim"].took_over == dead
+            assert taken["active"] == 1  # the claimant's own slot, the dead one's freed
+            assert taken["renew_status"] == 410
+            lease = ray.get(actor.lease.remote())
+            assert lease["holder"] is None  # the claimant let the route go on its way out
+            with get_client(sync_client=True) as client:
+                assert client.read_global_concurrency_limit_by_name(limit).active_slots == 0
+        finally:
+            drop_route_state(ROUTE)
+            with get_client(sync_client=True) as client, contextlib.suppress(Exception):
+                client.release_concurrency_slots_with_lease(dead_slot)  # when it failed
