@@ -105,16 +105,14 @@ def test_user_code_reaches_trials_on_the_second_node_and_their_checkpoint_regist
     )
     storage = f"file://{tmp_path / 'shared'}"
 
-    # Importable here, but not shipped: preflight names the module, in seconds.
-    started = time.monotonic()
+    # Importable here, but not shipped: preflight names the module before anything runs.
     with pytest.raises(
         ValueError,
         match=r"preflight: on the Ray cluster, environment 'my_envs:make_env': module "
         r"'my_envs' is not importable .*runtime_env \(working_dir or py_modules\)",
     ):
         tune_sweep(sweep=sweep, ray_cluster=stack.ray_cluster(), storage_root=storage)
-    assert time.monotonic() - started < 30
-    assert not made.exists()
+    assert not made.exists()  # refused before anything ran: the sweep never started
 
     result = tune_sweep(
         sweep=sweep,

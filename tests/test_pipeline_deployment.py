@@ -5,7 +5,6 @@ serves it over HTTP, and Prefect recorded the assets from the experiment to the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -17,6 +16,15 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from prefect.client.schemas.filters import (
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowFilter,
+    FlowFilterName,
+    FlowRunFilter,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+)
 
 from deployments import lineage as walkback
 from deployments import setup
@@ -104,8 +112,9 @@ def environment(stack):
     """The stack as a deployment environment: blocks, pool, limit (deployments.setup); a real
     worker process for the pool; and, at the end, the worker stopped by pid and every Serve
     app this test made deleted."""
-    # No registry webhook: this test reads no registry events.
-    env = dataclasses.replace(stack_environment(stack, routes=(ROUTE,)), receiver_url=None)
+    # With the registry's webhook: the champion move the pipeline makes also triggers a
+    # reconcile, as on a user's stack, and the test checks that only one of them rolls out.
+    env = stack_environment(stack, routes=(ROUTE,))
     model_name = f"shipped-{uuid.uuid4().hex[:6]}"
     try:
         yield env, model_name
@@ -153,6 +162,37 @@ def subflows(prefect_client, run) -> dict:
     )
     assert all(c.state.is_completed() for c in children)
     return {prefect_client.read_flow(c.flow_id).name: c for c in children}
+
+
+def reconcile_run_for(prefect_client, model_name: str, timeout: float = 120):
+    """The `reconcile` deployment's run for `model_name` (as its trigger starts it)."""
+    deployment = prefect_client.read_deployment_by_name("reconcile/reconcile")
+    deadline = time.monotonic() + timeout
+    while True:
+        runs = [
+            run
+            for run in prefect_client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+            )
+            if run.parameters.get("model_name") == model_name
+        ]
+        if runs:
+            (run,) = runs
+            return run
+        if time.monotonic() > deadline:
+            pytest.fail(f"no reconcile run for {model_name}: the champion trigger never fired")
+        time.sleep(1)
+
+
+def rollout_runs(prefect_client, model_name: str) -> list:
+    """Every `serve-rollout` flow run of `model_name`, whoever started it."""
+    return [
+        run
+        for run in prefect_client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["serve-rollout"]))
+        )
+        if run.parameters.get("model_name") == model_name
+    ]
 
 
 def summary(prefect_client, run) -> str:
@@ -233,14 +273,6 @@ def test_train_and_ship_deployments_ship_a_better_version_and_keep_live_otherwis
     assert all(active())
     set_schedules("off", cli_env, stack.ray_address)
     assert not any(active())
-    from prefect.client.schemas.filters import (
-        DeploymentFilter,
-        DeploymentFilterId,
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-    )
-
     for stray in prefect_client.read_flow_runs(
         deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[d.id for d in scheduled])),
         flow_run_filter=FlowRunFilter(
@@ -291,6 +323,18 @@ def test_train_and_ship_deployments_ship_a_better_version_and_keep_live_otherwis
     assert logged == {"charts/sweep.png"}
     rollout_charts = [f.path for f in client.list_artifacts(version.run_id, "rollouts")]
     assert any(path.endswith(".png") for path in rollout_charts), rollout_charts
+
+    # One rollout owner: the champion move also started a reconcile (the registry's webhook,
+    # the `reconcile-on-champion-moved` trigger). The pipeline held the route from its
+    # promotion to the end of its rollout, so that reconcile found the route in sync: it
+    # rolled nothing out, and the run's summary names the rollout that did.
+    triggered = wait_final(
+        prefect_client, str(reconcile_run_for(prefect_client, model_name).id), 240
+    )
+    assert triggered.state.is_completed(), triggered.state
+    assert subflows(prefect_client, triggered) == {}
+    assert [r.id for r in rollout_runs(prefect_client, model_name)] == [by_flow["serve-rollout"].id]
+    assert f"/runs/flow-run/{by_flow['serve-rollout'].id}" in summary(prefect_client, run)
 
     # The route serves that version over HTTP.
     route_url = f"http://127.0.0.1:{stack.serve_port}/{ROUTE}"

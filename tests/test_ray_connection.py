@@ -210,7 +210,6 @@ def test_ray_resources_timeouts_and_logs_on_the_task_itself(stack, prefect_clien
     from prefect.client.schemas.filters import LogFilter
 
     word = f"w{time.monotonic_ns()}"
-    started = time.monotonic()
     state = execution_flow.with_options(task_runner=RayClusterTaskRunner(stack.ray_cluster()))(
         word, return_state=True
     )
@@ -218,7 +217,6 @@ def test_ray_resources_timeouts_and_logs_on_the_task_itself(stack, prefect_clien
 
     assert resources == {"cpus": 3.0, "flag": "on"}
     assert slow_state.is_failed() and slow_state.name == "TimedOut"
-    assert time.monotonic() - started < 45
     # What the task logged and printed inside its Ray worker sits under its own task run.
     runs = task_runs(
         state.state_details.flow_run_id, lambda runs: any(r.name.startswith("chatty") for r in runs)

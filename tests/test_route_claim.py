@@ -25,7 +25,7 @@ def test_a_dead_holders_slot_is_freed_by_its_lease_id_not_left_to_expire(stack):
     with stack.ray_cluster().connect():
         limit = ensure_rollout_limit(ROUTE)
         actor = route_state(ROUTE)
-        dead_slot = None
+        dead_slot = claimant = None
         try:
             # A holder that took the slot (for an hour) and the route's lease (for 1 s), then
             # died: it renews neither.
@@ -67,6 +67,9 @@ def test_a_dead_holders_slot_is_freed_by_its_lease_id_not_left_to_expire(stack):
             with get_client(sync_client=True) as client:
                 assert client.read_global_concurrency_limit_by_name(limit).active_slots == 0
         finally:
+            if dead_slot is not None:  # when it failed: let a waiting claimant end in Ray
+                with get_client(sync_client=True) as client, contextlib.suppress(Exception):
+                    client.release_concurrency_slots_with_lease(dead_slot)
+            if claimant is not None:
+                claimant.join(timeout=60)
             drop_route_state(ROUTE)
-            with get_client(sync_client=True) as client, contextlib.suppress(Exception):
-                client.release_concurrency_slots_with_lease(dead_slot)  # when it failed
