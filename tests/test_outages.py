@@ -7,8 +7,11 @@
 - the Prefect server down for 30 s: the route's lease lives in Ray and is still renewed, so
   the candidate keeps its share under a living holder; no user's answer fails; once Prefect
   is back the rollout goes on (Prefect's client retries a call for about a minute) and its
-  flow run ends Completed, as it really ended. The session's server is stopped and started
-  again on the same state folder and port, as `deployments.local` restarts it."""
+  flow run ends Completed, as it really ended;
+- the Prefect server down for 3 minutes: the rollout swaps and bakes in the outage, then
+  waits for Prefect to record its ending: Completed, with its timeline.
+The session's server is stopped and started again on the same state folder and port, as
+`deployments.local` restarts it."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.flows.rollout import serve_rollout
 from prefect_ray_lifecycle.tasks.rollout.config import Gates, Serving
+from prefect_ray_lifecycle.tasks.rollout.record import PREFECT_WAIT_S
 from prefect_ray_lifecycle.workloads.serve.route_state import route_figures
 
 pytestmark = pytest.mark.slow
@@ -56,10 +60,10 @@ GATES = Gates(
 
 @pytest.fixture(scope="module")
 def route(stack, checkpoints):
-    """v1 live on the route, two more versions of the same policy to roll out."""
+    """v1 live on the route, three more versions of the same policy to roll out."""
     name = f"outage-{uuid.uuid4().hex[:6]}"
     client = MlflowClient(stack.mlflow_uri)
-    for trial in range(3):
+    for trial in range(4):
         registry.register_checkpoint(
             client,
             name=name,
@@ -217,3 +221,66 @@ def test_prefect_down_for_30_s_mid_canary_costs_no_answer_and_the_run_ends_true(
     )
     canary = [t for t in tasks if t.name.startswith("canary_step")]
     assert canary and all(t.state.is_completed() for t in canary), canary
+
+
+LONG_OUTAGE_S = 180
+
+
+def test_prefect_down_for_3_minutes_mid_canary_costs_no_answer_and_the_run_ends_true(
+    stack, route, prefect_client
+):
+    """Longer than Prefect's client retries a call (about a minute): the canary step ends
+    while Prefect is down and the rollout goes on (its gates need Ray and MLflow only): it
+    swaps and bakes in the outage, with no user's answer failed and never a candidate share
+    without a living holder. Then it waits for Prefect (record.wait_for_prefect) and records
+    its timeline, so the run's final state in Prefect is Completed, as it really ended.
+    Before, it failed on its timeline artifact after it had promoted v4, and the run's end
+    never reached Prefect."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    port, prefect = route["port"], stack.service("prefect")
+    gates = GATES.model_copy(update={"canary_hold_s": 30, "canary_max_wait_s": 120})
+    seen: list[dict] = []
+    with (
+        ClosedLoop(port, f"/{ROUTE}", pause_s=LOAD_PAUSE_S) as traffic,
+        rolling_out(route, "4", gates) as running,
+    ):
+
+        def in_canary():
+            assert not running.done(), running.result()
+            return route_status(port, ROUTE)["candidate_share"] > 0
+
+        wait_for("the canary gives v4 a share", in_canary, 240)
+        local.stop(prefect)
+        stopped = time.time()
+        try:
+            until = time.monotonic() + LONG_OUTAGE_S
+            while time.monotonic() < until:
+                status = route_status(port, ROUTE)
+                seen.append(
+                    {"at": time.time(), "share": status["candidate_share"], **status["lease"]}
+                )
+                time.sleep(1)
+        finally:
+            assert local.start(prefect).startswith("started")
+        back = time.time()
+        result = running.result(timeout=PREFECT_WAIT_S)
+        time.sleep(1)
+    # The gates went on in the outage: v4 was swapped in while Prefect was down.
+    swapped = [e["at"] for e in result.timeline if e["stage"] == "swap"]
+    assert swapped and stopped < swapped[0] < back, (stopped, back, result.timeline)
+    assert result.outcome == "promoted", result
+    unheld = [s for s in seen if s["share"] > 0 and not (s["held"] and not s["lapsed"])]
+    assert not unheld, unheld
+    assert any(s["share"] > 0 for s in seen) and seen[-1]["share"] == 0, (seen[0], seen[-1])
+    assert traffic.failed() == [], traffic.failed()[:3]
+    assert registry.resolve_alias(route["client"], route["name"], registry.LIVE).version == "4"
+    status = route_status(port, ROUTE)
+    assert status["config"]["live"]["version"] == "4" and status["candidate_share"] == 0
+    # Prefect's record, made once it was back: the run Completed, with its timeline.
+    run = prefect_client.read_flow_run(uuid.UUID(result.flow_run_id))
+    assert run.state.is_completed(), run.state
+    artifacts = prefect_client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]))
+    )
+    assert any("Decision: promoted" in str(a.data) for a in artifacts), artifacts

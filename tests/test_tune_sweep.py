@@ -297,7 +297,7 @@ def test_a_trials_curve_and_why_it_stopped_come_from_its_results():
 # --- against the session's Ray head --------------------------------------------------------
 
 
-def test_preflight_rejects_a_trial_the_cluster_cannot_host_within_seconds(stack, tmp_path):
+def test_preflight_rejects_a_trial_the_cluster_cannot_host_before_any_trial_starts(stack, tmp_path):
     # A resource no test cluster has (a GPU would be found by Ray on a GPU host).
     with pytest.raises(
         ValueError,

@@ -4,10 +4,12 @@ artifact."""
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import UTC, datetime
 from typing import Any
 
+import httpx
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
@@ -31,12 +33,62 @@ __all__ = [
     "heartbeat_resource",
     "record",
     "route_resource",
+    "wait_for_prefect",
 ]
 
 # A route that serves a live version beats (deployments.route_watch, and each rollout that
 # leaves it serving); a proactive trigger in prefect.yaml restores one whose beats stop.
 ROUTE_HEALTHY = "ray-lifecycle.route.healthy"
 ROUTE_REMOVED = "ray-lifecycle.route.removed"  # a route taken down on purpose: not lost
+
+logger = logging.getLogger(__name__)
+
+
+# How long a rollout that ended while Prefect was down waits for it before it records its
+# ending: as long as the `mark-silent-flow-runs-crashed` automation waits before it marks a
+# silent run Crashed (deployments.crashes.SILENT_RUN_S).
+PREFECT_WAIT_S = 600.0
+PREFECT_POLL_S = 2.0
+
+
+def wait_for_prefect(max_s: float = PREFECT_WAIT_S) -> bool:
+    """Wait until Prefect's API answers its health check (True), for at most `max_s` (False).
+
+    A rollout's outcome is decided in Ray and MLflow, never in Prefect: while Prefect is down
+    the gates go on (the route's lease lives in Ray), and only Prefect's record of them waits.
+    Its client retries a call for about a minute, so without this a rollout that ended in a
+    longer outage failed on its timeline artifact after it had promoted (or rejected) the
+    version, and the run's final state never reached Prefect. Asked with a short timeout of
+    its own, not through Prefect's client and its backoff."""
+    from prefect.settings import PREFECT_API_KEY, PREFECT_API_URL
+
+    url = (PREFECT_API_URL.value() or "").rstrip("/")
+    if not url:
+        return True  # an ephemeral API in this process: nothing to wait for
+    key = PREFECT_API_KEY.value()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    deadline = time.monotonic() + max_s
+    waited = False
+    while True:
+        try:
+            if httpx.get(f"{url}/health", headers=headers, timeout=5).status_code == 200:
+                if waited:
+                    logger.warning("Prefect at %s answers again: recording the rollout", url)
+                return True
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() >= deadline:
+            logger.error("Prefect at %s is still unreachable after %.0f s", url, max_s)
+            return False
+        if not waited:
+            logger.warning(
+                "Prefect at %s is unreachable: the rollout has ended and waits up to %.0f s "
+                "for it, to record its timeline and final state",
+                url,
+                max_s,
+            )
+            waited = True
+        time.sleep(PREFECT_POLL_S)
 
 
 @mlflow_task
@@ -156,7 +208,9 @@ class Timeline:
 
     def publish(self, decision: str, chart: bool = True) -> None:
         """The timeline artifact (what a person scans: when, stage, outcome, detail; the
-        figures are in the chart and in the flow's result), after the chart when asked."""
+        figures are in the chart and in the flow's result), after the chart when asked.
+        Waits for Prefect first when it is down: see wait_for_prefect."""
+        wait_for_prefect()
         if chart:
             self.chart_url = self._chart(decision)
         rows = "\n".join(
