@@ -1,6 +1,7 @@
 """A route's claim (tasks.rollout.claim) when its holder died: the next claimant frees the dead
 holder's Prefect slot by the lease id the holder recorded, rather than wait for Prefect to
-expire it. On the session's Ray head and Prefect server; no Serve app."""
+expire it (on the session's Ray head and Prefect server; no Serve app). And how a rollout
+that ended tells whether Prefect is there to record it (record.wait_for_prefect)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,35 @@ def test_a_dead_holders_slot_is_freed_by_its_lease_id_not_left_to_expire(stack):
             if claimant is not None:
                 claimant.join(timeout=60)
             drop_route_state(ROUTE)
+
+
+def test_a_rollout_waits_for_prefect_only_while_nothing_answers(tmp_path):
+    """Any answer of the API's host counts (one behind auth says 401); a port where nothing
+    listens is waited on until the bound, then reported."""
+    import http.server
+    import socket
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from prefect_ray_lifecycle.tasks.rollout.record import wait_for_prefect
+
+    class Unauthorised(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Unauthorised)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        dead_port = unused.getsockname()[1]  # closed again when the block ends
+    try:
+        with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{server.server_port}/api"}):
+            assert wait_for_prefect(max_s=0) is True
+        with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{dead_port}/api"}):
+            assert wait_for_prefect(max_s=0) is False
+    finally:
+        server.shutdown()

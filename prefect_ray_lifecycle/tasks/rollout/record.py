@@ -71,7 +71,8 @@ def wait_for_prefect(max_s: float = PREFECT_WAIT_S) -> bool:
     waited = False
     while True:
         try:
-            if httpx.get(f"{url}/health", headers=headers, timeout=5).status_code == 200:
+            # Any answer but a 5xx is a server that answers (one behind auth may say 401).
+            if httpx.get(f"{url}/health", headers=headers, timeout=5).status_code < 500:
                 if waited:
                     logger.warning("Prefect at %s answers again: recording the rollout", url)
                 return True
