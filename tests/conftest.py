@@ -48,7 +48,7 @@ GROUP_S = {
     "test_ray_client": 148,
     "test_pipeline_deployment": 143,
     "test_multinode": 131,
-    "test_outages": 170,
+    "test_outages": 376,  # + Prefect down 3 minutes (2026-12-05)
     "test_ray_connection": 99,
     "test_register": 92,
     "test_tune_sweep": 86,

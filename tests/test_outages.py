@@ -283,4 +283,5 @@ def test_prefect_down_for_3_minutes_mid_canary_costs_no_answer_and_the_run_ends_
     artifacts = prefect_client.read_artifacts(
         artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]))
     )
-    assert any("Decision: promoted" in str(a.data) for a in artifacts), artifacts
+    timelines = [str(a.data) for a in artifacts if a.type == "markdown"]
+    assert any("**Decision: v4 replaced v" in t for t in timelines), timelines
