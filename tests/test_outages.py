@@ -15,11 +15,13 @@ The session's server is stopped and started again on the same state folder and p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 import pytest
@@ -170,42 +172,66 @@ def test_a_router_replica_killed_in_a_canary_fails_only_what_it_held_and_both_ag
     assert versions[0] == versions[1] and "2" in versions[0], versions
 
 
-def test_prefect_down_for_30_s_mid_canary_costs_no_answer_and_the_run_ends_true(
-    stack, route, prefect_client
-):
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+@dataclasses.dataclass
+class Outage:
+    """A rollout through a Prefect outage: its result, the users' traffic, the route's share
+    and lease sampled each second while Prefect was down, and when it went and came back."""
 
+    result: Any
+    traffic: ClosedLoop
+    seen: list[dict]
+    stopped: float
+    back: float
+
+
+def prefect_down_in_a_canary(stack, route, version: str, gates: Gates, outage_s: float):
+    """Roll `version` out under closed-loop load; stop the session's Prefect server as soon
+    as the candidate has its share, for `outage_s`, then start it again on the same state
+    folder and port; wait for the rollout's result."""
     port, prefect = route["port"], stack.service("prefect")
-    # The canary step outlasts the outage: Prefect is stopped as soon as the candidate has
-    # its share, so the step still runs when Prefect comes back.
-    gates = GATES.model_copy(
-        update={"canary_hold_s": OUTAGE_S + 15, "canary_max_wait_s": OUTAGE_S + 120}
-    )
     seen: list[dict] = []
     with (
         ClosedLoop(port, f"/{ROUTE}", pause_s=LOAD_PAUSE_S) as traffic,
-        rolling_out(route, "3", gates) as running,
+        rolling_out(route, version, gates) as running,
     ):
 
         def in_canary():
             assert not running.done(), running.result()
             return route_status(port, ROUTE)["candidate_share"] > 0
 
-        wait_for("the canary gives v3 a share", in_canary, 240)
+        wait_for(f"the canary gives v{version} a share", in_canary, 240)
         local.stop(prefect)
+        stopped = time.time()
         try:
-            # Prefect is down: the route's lease is renewed in Ray all along, so the share
-            # stays, under a holder that is alive (whichever router replica answers).
-            until = time.monotonic() + OUTAGE_S
+            until = time.monotonic() + outage_s
             while time.monotonic() < until:
                 status = route_status(port, ROUTE)
-                share = status["candidate_share"]
-                seen.append({"at": time.time(), "share": share, **status["lease"]})
+                seen.append(
+                    {"at": time.time(), "share": status["candidate_share"], **status["lease"]}
+                )
                 time.sleep(1)
         finally:
             assert local.start(prefect).startswith("started")
-        result = running.result(timeout=300)
+        back = time.time()
+        result = running.result(timeout=PREFECT_WAIT_S)
         time.sleep(1)
+    return Outage(result, traffic, seen, stopped, back)
+
+
+def test_prefect_down_for_30_s_mid_canary_costs_no_answer_and_the_run_ends_true(
+    stack, route, prefect_client
+):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    # The canary step outlasts the outage: Prefect is stopped as soon as the candidate has
+    # its share, so the step still runs when Prefect comes back.
+    gates = GATES.model_copy(
+        update={"canary_hold_s": OUTAGE_S + 15, "canary_max_wait_s": OUTAGE_S + 120}
+    )
+    outage = prefect_down_in_a_canary(stack, route, "3", gates, OUTAGE_S)
+    result, traffic, seen = outage.result, outage.traffic, outage.seen
+    # Prefect was down: the route's lease is renewed in Ray all along, so the share stayed,
+    # under a holder that is alive (whichever router replica answered).
     assert len(seen) >= OUTAGE_S // 2
     off = [s for s in seen if not (s["share"] == 0.5 and s["held"] and not s["lapsed"])]
     assert not off, (off, seen[0]["at"], result.timeline)
@@ -238,34 +264,10 @@ def test_prefect_down_for_3_minutes_mid_canary_costs_no_answer_and_the_run_ends_
     never reached Prefect."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    port, prefect = route["port"], stack.service("prefect")
     gates = GATES.model_copy(update={"canary_hold_s": 30, "canary_max_wait_s": 120})
-    seen: list[dict] = []
-    with (
-        ClosedLoop(port, f"/{ROUTE}", pause_s=LOAD_PAUSE_S) as traffic,
-        rolling_out(route, "4", gates) as running,
-    ):
-
-        def in_canary():
-            assert not running.done(), running.result()
-            return route_status(port, ROUTE)["candidate_share"] > 0
-
-        wait_for("the canary gives v4 a share", in_canary, 240)
-        local.stop(prefect)
-        stopped = time.time()
-        try:
-            until = time.monotonic() + LONG_OUTAGE_S
-            while time.monotonic() < until:
-                status = route_status(port, ROUTE)
-                seen.append(
-                    {"at": time.time(), "share": status["candidate_share"], **status["lease"]}
-                )
-                time.sleep(1)
-        finally:
-            assert local.start(prefect).startswith("started")
-        back = time.time()
-        result = running.result(timeout=PREFECT_WAIT_S)
-        time.sleep(1)
+    outage = prefect_down_in_a_canary(stack, route, "4", gates, LONG_OUTAGE_S)
+    result, traffic, seen = outage.result, outage.traffic, outage.seen
+    stopped, back, port = outage.stopped, outage.back, route["port"]
     # The gates went on in the outage: v4 was swapped in while Prefect was down.
     swapped = [e["at"] for e in result.timeline if e["stage"] == "swap"]
     assert swapped and stopped < swapped[0] < back, (stopped, back, result.timeline)
