@@ -9,8 +9,12 @@ class built on an upstream class, `self._x` where `_x` is that upstream class's 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,20 +29,24 @@ WALKED = [PACKAGE, ROOT / "deployments", ROOT / "benchmarks"]
 UPSTREAM = ("ray", "prefect", "prefect_ray", "vllm")
 
 
-def parse(source: str) -> ast.Module:
-    """ast.parse, tried again on CPython 3.11.7's SystemError "AST constructor recursion depth
+def ast_retried(call):
+    """call(), tried again on CPython 3.11.7's SystemError "AST constructor recursion depth
     mismatch": the converter's depth counter is shared by threads (gh-106905, fixed in later
     releases), and a thread an earlier module left in this worker building ASTs at the same
-    moment failed the whole check once in a full run."""
-    for _ in range(4):
+    moment failed the whole check once in a full run. inspect.getsource parses too."""
+    for attempt in range(8):
         try:
-            return ast.parse(source)
+            return call()
         except SystemError as error:
             if "recursion depth mismatch" not in str(error):
                 raise
             failure = error
-            time.sleep(0.1)
+            time.sleep(0.1 * (attempt + 1))
     raise failure
+
+
+def parse(source: str) -> ast.Module:
+    return ast_retried(lambda: ast.parse(source))
 
 
 def private(name: str) -> bool:
@@ -155,7 +163,7 @@ def inherited_findings(path: Path) -> list[str]:
                 continue
             upstream_names |= set(vars(base))
             try:
-                tree = parse(inspect.getsource(base).strip() + "\n")
+                tree = parse(ast_retried(functools.partial(inspect.getsource, base)).strip() + "\n")
             except (OSError, TypeError, SyntaxError, IndentationError):
                 continue
             upstream_names |= {
@@ -201,16 +209,50 @@ def test_the_walk_finds_what_it_is_meant_to_find(tmp_path):
     assert [hit.split(":")[1] for hit in hits] == ["2", "3", "6", "7", "9"], hits
 
 
-def _resolve(symbol: Symbol) -> None:
-    obj = importlib.import_module(symbol.module)
-    parts = symbol.path.split(".")
-    last = parts.pop() if symbol.instance else None
-    for part in parts:
-        obj = getattr(obj, part)
-    if last is not None:
-        source = "".join(inspect.getsource(cls) for cls in inspect.getmro(obj) if cls is not object)
-        if f"self.{last}" not in source:
-            raise AttributeError(f"{obj.__name__} sets no self.{last}")
+# Resolves each (module, path, instance) given as JSON in argv[1]; prints {"module:path":
+# None, or the error}. An instance attribute must be set as `self.<name>` somewhere in its
+# class or a base class.
+RESOLVE = """
+import importlib, inspect, json, sys
+found = {}
+for module, path, instance in json.loads(sys.argv[1]):
+    try:
+        obj = importlib.import_module(module)
+        parts = path.split(".")
+        last = parts.pop() if instance else None
+        for part in parts:
+            obj = getattr(obj, part)
+        if last is not None:
+            source = "".join(inspect.getsource(c) for c in inspect.getmro(obj) if c is not object)
+            if f"self.{last}" not in source:
+                raise AttributeError(f"{obj.__name__} sets no self.{last}")
+        found[f"{module}:{path}"] = None
+    except Exception as error:
+        found[f"{module}:{path}"] = repr(error)
+print(json.dumps(found))
+"""
+
+
+def resolve_in(python: str, symbols: list[Symbol]) -> dict[str, str | None]:
+    """Each symbol resolved by a fresh interpreter `python`: None, or why it is gone."""
+    done = subprocess.run(
+        [python, "-c", RESOLVE, json.dumps([list(s) for s in symbols])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict[str, str | None]:
+    """Resolved in a fresh interpreter, not in this worker: inspect.getsource parses with
+    ast, whose recursion depth counter CPython 3.11.7 shares between threads (gh-106905), and
+    threads that earlier modules left in a pytest worker made it fail at random ("AST
+    constructor recursion depth mismatch", twice in full runs, the second time inside
+    inspect, past parse()'s retry)."""
+    return resolve_in(sys.executable, [*ray_internals.SYMBOLS, *prefect_internals.SYMBOLS])
 
 
 @pytest.mark.parametrize(
@@ -218,12 +260,11 @@ def _resolve(symbol: Symbol) -> None:
     [*ray_internals.SYMBOLS, *prefect_internals.SYMBOLS],
     ids=lambda s: f"{s.module}:{s.path}",
 )
-def test_every_private_name_the_compat_modules_rely_on_still_exists(symbol):
-    try:
-        _resolve(symbol)
-    except (ImportError, AttributeError, OSError, TypeError) as error:
+def test_every_private_name_the_compat_modules_rely_on_still_exists(symbol, resolved):
+    error = resolved[f"{symbol.module}:{symbol.path}"]
+    if error is not None:
         pytest.fail(
-            f"{symbol.module}:{symbol.path} is gone in the installed version ({error!r}): "
+            f"{symbol.module}:{symbol.path} is gone in the installed version ({error}): "
             f"update prefect_ray_lifecycle/compat for it"
         )
 
@@ -256,38 +297,11 @@ def test_a_placement_groups_id_ends_with_its_jobs_id():
         assert group.hex().endswith(job.hex()) and group.hex() != job.hex()
 
 
-RESOLVE_IN_LLM_VENV = """
-import importlib, inspect, json, sys
-missing = []
-for module, path, instance in json.loads(sys.argv[1]):
-    try:
-        obj = importlib.import_module(module)
-        parts = path.split(".")
-        last = parts.pop() if instance else None
-        for part in parts:
-            obj = getattr(obj, part)
-        if last is not None and f"self.{last}" not in inspect.getsource(obj):
-            raise AttributeError(f"{obj.__name__} sets no self.{last}")
-    except Exception as error:
-        missing.append(f"{module}:{path}: {error!r}")
-print(json.dumps(missing))
-"""
-
-
 @pytest.mark.llm
 def test_every_private_vllm_name_still_exists_in_the_llm_venv():
     """vLLM is only in the LLM venv: its private names are resolved there."""
-    import json
-    import subprocess
-
     from prefect_ray_lifecycle.workloads.constants import llm_python
 
-    symbols = json.dumps([list(s) for s in vllm_internals.SYMBOLS])
-    done = subprocess.run(
-        [llm_python(), "-c", RESOLVE_IN_LLM_VENV, symbols],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.splitlines()[-1]) == [], "update compat/vllm_internals.py"
+    found = resolve_in(llm_python(), vllm_internals.SYMBOLS)
+    missing = {name: error for name, error in found.items() if error is not None}
+    assert missing == {}, "update compat/vllm_internals.py"
