@@ -31,6 +31,7 @@ from deployments import setup
 from deployments.testing.fast import FAST_SERVING
 from deployments.testing.stack import environment as stack_environment
 from deployments.testing.stack import undeploy
+from deployments.testing.watch import deployment_runs, wait_for
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.tasks import lineage
@@ -166,22 +167,13 @@ def subflows(prefect_client, run) -> dict:
 
 def reconcile_run_for(prefect_client, model_name: str, timeout: float = 120):
     """The `reconcile` deployment's run for `model_name` (as its trigger starts it)."""
-    deployment = prefect_client.read_deployment_by_name("reconcile/reconcile")
-    deadline = time.monotonic() + timeout
-    while True:
-        runs = [
-            run
-            for run in prefect_client.read_flow_runs(
-                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
-            )
-            if run.parameters.get("model_name") == model_name
-        ]
-        if runs:
-            (run,) = runs
-            return run
-        if time.monotonic() > deadline:
-            pytest.fail(f"no reconcile run for {model_name}: the champion trigger never fired")
-        time.sleep(1)
+
+    def found():
+        runs = deployment_runs(prefect_client, "reconcile/reconcile")
+        return [run for run in runs if run.parameters.get("model_name") == model_name]
+
+    (run,) = wait_for(f"the champion trigger's reconcile run for {model_name}", found, timeout, 1.0)
+    return run
 
 
 def rollout_runs(prefect_client, model_name: str) -> list:

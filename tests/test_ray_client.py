@@ -121,7 +121,14 @@ from ray.util.client_connect import connect
 # server's reason is in its debug log ("Received when checking init: ...").
 logging.basicConfig(stream=sys.stderr)
 logging.getLogger("ray.util.client.worker").setLevel(logging.DEBUG)
-connect(sys.argv[1].removeprefix("ray://"), connection_retries=1)
+# A head that fails to start this connection's server process is tried again, as the project
+# does (a busy head failed the control connection so once); a refusal is not.
+from prefect_ray_lifecycle.blocks.ray_cluster import retry_client_start
+
+address = sys.argv[1]
+retry_client_start(
+    lambda: connect(address.removeprefix("ray://"), connection_retries=1), address, ray.shutdown
+)
 print("connected", ray.cluster_resources()["CPU"])
 """
 
