@@ -85,7 +85,7 @@ def test_a_router_hosting_an_llm_takes_an_llm_replicas_gpus_and_venv():
     env, options = forwarding.router_serving(APP_ENV, serving.router_options())
     config = serve_control.router_app_config("chat", RouterConfig(), env, options)
     assert built(config)["Router"]["ray_actor_options"] == {"num_cpus": 0.25}
-    assert config["runtime_env"] == APP_ENV
+    assert config["runtime_env"] == {**APP_ENV, "env_vars": {"MALLOC_ARENA_MAX": "2", "A": "1"}}
 
 
 # --- Tune and Train: what a trial and a fine-tune reserve -----------------------------------

@@ -349,6 +349,44 @@ def router_replicas() -> set[str]:
     return {r["replica_id"] for r in app["deployments"][ROUTER_DEPLOYMENT]["replicas"]}
 
 
+def test_a_blocks_own_malloc_arena_setting_wins_over_the_routers_default():
+    from prefect_ray_lifecycle.control import serve_control
+    from prefect_ray_lifecycle.workloads.serve.router_config import RouterConfig
+
+    def router_env(runtime_env: dict) -> dict:
+        return serve_control.router_app_config("r", RouterConfig(), runtime_env)["runtime_env"]
+
+    assert router_env({"py_modules": ["p"]}) == {
+        "py_modules": ["p"],
+        "env_vars": {"MALLOC_ARENA_MAX": "2"},
+    }
+    mine = {"py_modules": ["p"], "env_vars": {"MALLOC_ARENA_MAX": "8", "A": "1"}}
+    assert router_env(mine) == mine
+
+
+def test_the_routers_replicas_run_with_two_malloc_arenas_and_the_version_apps_as_set(route):
+    """The router lives across every rollout: its process (each replica's, read from /proc)
+    runs with MALLOC_ARENA_MAX=2, which the soak's memory growth came down by; the version's
+    own app, replaced at each rollout, keeps glibc's default."""
+    from pathlib import Path
+
+    from prefect_ray_lifecycle.control import serve_control
+    from prefect_ray_lifecycle.workloads.constants import POLICY_DEPLOYMENT, ROUTER_DEPLOYMENT
+
+    def environs(app: str, deployment: str) -> list[dict[str, str]]:
+        replicas = serve_control.details()["applications"][app]["deployments"][deployment]
+        out = []
+        for replica in replicas["replicas"]:
+            raw = Path(f"/proc/{replica['pid']}/environ").read_bytes().split(b"\0")
+            out.append(dict(item.decode().partition("=")[::2] for item in raw if item))
+        return out
+
+    routers = environs(serve_control.router_app_name(ROUTE), ROUTER_DEPLOYMENT)
+    assert routers and all(env.get("MALLOC_ARENA_MAX") == "2" for env in routers)
+    (version,) = environs(route["app"], POLICY_DEPLOYMENT)
+    assert "MALLOC_ARENA_MAX" not in version
+
+
 def apply_user_config(app: str, deployment: str, user_config: dict) -> None:
     from prefect_ray_lifecycle.control import serve_control
 
