@@ -41,8 +41,11 @@ RECEIVER_HEALTH_PATH = "/health"
 # event of that kind would be skipped for up to a minute.
 MLFLOW_WEBHOOK_CACHE_TTL_S = 1
 RAY_DASHBOARD_PORT = 8265
-# The head's limit on workers before idle ones are killed (Ray's default: its CPUs).
-WORKERS_SOFT_LIMIT_ENV, WORKERS_SOFT_LIMIT = "RAY_num_workers_soft_limit", "32"
+# How long an idle worker lives once the node has more workers than CPUs (Ray's default: 1 s).
+# Not the soft limit on workers (RAY_num_workers_soft_limit, its CPUs by default): raised, Ray
+# 2.60 also starts workers up to it for queued tasks that only the node's CPUs can run, and
+# each imports the job's code (200 Prefect task runs on 2 CPUs started 22 workers at 32).
+IDLE_WORKER_TTL_ENV, IDLE_WORKER_TTL_MS = "RAY_idle_worker_killing_time_threshold_ms", "300000"
 # Ray 2.60's `ray start --block` drains its node on SIGTERM before it stops anything, for up to
 # this many seconds (30 by default) so that Serve can move replicas off it: a local node has
 # nowhere to move them (its head and proxy stop with it), so every stop sat out the whole
@@ -173,8 +176,9 @@ class Service:
         # Ray kills an idle worker after 1 s once the node has more workers than CPUs, and a
         # one-node head with Serve already does (controller, proxy, routers, versions): every
         # Serve app build (one per version rolled out) then started a fresh worker that
-        # imported Ray, Serve and the app again, ~1 CPU-s each. Kept idle, they are reused.
-        env.setdefault(WORKERS_SOFT_LIMIT_ENV, WORKERS_SOFT_LIMIT)
+        # imported Ray, Serve and the app again, ~1 CPU-s each. Kept idle a while, they are
+        # reused.
+        env.setdefault(IDLE_WORKER_TTL_ENV, IDLE_WORKER_TTL_MS)
         env.setdefault(SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN)
         env["RAY_AUTH_TOKEN_PATH"] = str(self.ray_token_file)
         env.pop("RAY_AUTH_TOKEN", None)  # a client's token in this shell is not the head's

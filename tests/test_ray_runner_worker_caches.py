@@ -1,5 +1,6 @@
 """A Ray worker keeps Prefect settings, clients and flow run contexts between task runs; flow
-runs on two Prefect APIs that share a worker still each record their task runs in their own."""
+runs on two Prefect APIs that share a worker still each record their task runs in their own;
+a fan-out of task runs starts Ray workers by the head's CPUs, not by the number queued."""
 
 from __future__ import annotations
 
@@ -108,3 +109,50 @@ def test_flow_runs_on_two_apis_sharing_a_ray_worker_record_each_in_its_own(stack
         again: ["COMPLETED"] * 2,
     }
     assert recorded_states(second_api, [first, other, again], other) == {other: ["COMPLETED"] * 2}
+
+
+@task
+def pid_of_worker(i: int) -> int:
+    return os.getpid()
+
+
+@flow
+def fan_out(n: int) -> list[int]:
+    return pid_of_worker.map(range(n)).result()
+
+
+def test_a_fan_out_of_task_runs_starts_ray_workers_by_the_heads_cpus_not_by_its_queue(stack):
+    """Each worker a job starts imports Prefect and the task's code (seconds of CPU), and only
+    as many as the head's CPUs run at once. Ray 2.60 starts workers for queued tasks up to
+    RAY_num_workers_soft_limit: at its default (the CPUs) 80 task runs on a 4-CPU head started
+    6 here, at 32 they started 16, and a 200-task fan-out on 2 CPUs started 22 and cost 5x
+    as much per task (benchmarks.task_overhead). Nothing else runs on this worker's head
+    meanwhile: the workers launched while the flow ran are its job's."""
+    from ray.util.state import list_nodes, list_workers
+
+    started_ms = time.time() * 1000
+    state = fan_out.with_options(task_runner=RayClusterTaskRunner(stack.ray_cluster()))(
+        80, return_state=True
+    )
+    ran_on = set(state.result())
+    ended_ms = time.time() * 1000
+    launched = [
+        worker
+        for worker in list_workers(
+            address=stack.ray_dashboard_url,
+            filters=[("worker_type", "=", "WORKER")],
+            detail=True,
+            limit=10_000,
+            raise_on_missing_output=False,
+        )
+        if started_ms <= worker.worker_launch_time_ms <= ended_ms
+    ]
+    (head,) = [
+        n for n in list_nodes(address=stack.ray_dashboard_url, detail=True) if n.is_head_node
+    ]
+    cpus = int(head.resources_total["CPU"])
+    assert ran_on <= {worker.pid for worker in launched}
+    assert len(launched) <= 2 * cpus, (
+        f"{len(launched)} Ray workers started on a {cpus}-CPU head for 80 task runs, "
+        f"which ran on {len(ran_on)} of them"
+    )
