@@ -178,6 +178,7 @@ def crash_in_canary(
     from prefect_ray_lifecycle.control import registry
 
     port = stack.serve_port
+    settled_runs(prefect)  # no earlier run left to take this move's rollout
     with ClosedLoop(port, f"/{ROUTE}", threads=2, pause_s=0.01) as traffic:
         moved = time.time()
         client.set_registered_model_alias(MODEL, registry.CHAMPION, version)
@@ -301,14 +302,23 @@ def drop_scheduled_runs(prefect: Any, deployment_id: Any) -> None:
 
 
 def settled_runs(prefect: Any, timeout: float = 600) -> None:
-    """Wait until no reconcile run is running or waiting for its slot."""
+    """Wait until no reconcile run is running, waiting for its slot, or due to start. A run
+    created before the next move and started after it (a killed rollout's run asked again,
+    put back to Scheduled while the slot was held) would roll the next champion out unseen:
+    the move's own run then finds it in sync, and the canary it waits for is over."""
     from deployments.testing.watch import deployment_runs, wait_for
 
+    def pending(run: Any, now: datetime) -> bool:
+        state = run.state
+        if state.is_final():
+            return False
+        if state.name == "AwaitingConcurrencySlot" or not state.is_scheduled():
+            return True
+        return run.expected_start_time is None or run.expected_start_time <= now
+
     def settled() -> bool:
-        return not any(
-            r.state.is_running() or r.state.name == "AwaitingConcurrencySlot"
-            for r in deployment_runs(prefect, RECONCILE)
-        )
+        now = datetime.now(UTC)
+        return not any(pending(r, now) for r in deployment_runs(prefect, RECONCILE))
 
     wait_for("the reconcile runs settle", settled, timeout, every=1.0)
 
