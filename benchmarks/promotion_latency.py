@@ -148,6 +148,7 @@ def run(
             crash_in_canary(stack, prefect, client, next(versions), live, lease_s)
             for _ in range(kills)
         ]
+        settled_runs(prefect)  # the last kill's runs, before the peer or the teardown
         peer = interval_peer(prefect, client, versions, live, intervals)
     return {
         "alias_to_run_start_s": round(statistics.median(to_start), 2),
@@ -201,7 +202,6 @@ def crash_in_canary(
             return time.time() if settled and live() == version else None
 
         done = wait_for("the route converges", converged, timeout=600)
-    settled_runs(prefect)
     return {
         "to_safe_s": safe - killed,
         "non_2xx": len(traffic.failed()),
