@@ -33,29 +33,33 @@ SESSION_ENV = "RLT_TEST_SESSION"
 SESSION_MARK = "pytest-session"
 
 
-# Seconds of one worker each group took in a full `make test` here (2026-12-03, 2 workers,
-# 2 cores). Groups are handed out longest first, so that the last to start are short and both
-# workers end together: xdist's own order (by number of tests) left the 2-test recovery and
-# stack-restart modules for last, and one worker ran alone for its last 260 s. A group not
-# listed counts as DEFAULT_GROUP_S; stale figures cost balance only.
+# Seconds of one worker each group took in a full `make test` here (2026-12-05, 2 workers,
+# 2 cores; junit times, setup and teardown included). Groups are handed out longest first, so
+# that the last to start are short and both workers end together: xdist's own order (by number
+# of tests) left the 2-test recovery and stack-restart modules for last, and one worker ran
+# alone for its last 260 s. A group not listed counts as DEFAULT_GROUP_S; stale figures cost
+# balance only.
 GROUP_S = {
-    "test_rollout": 390,  # + the fallback that fails too (~80 s), 2026-12-04
-    "test_recovery": 296,
-    "test_stack_restart": 281,
-    "llm": 550,  # the vLLM modules and the fine-tune, one after another
-    "test_approval": 249,
-    "test_shadow_sticky": 186,
-    "test_ray_client": 148,
-    "test_pipeline_deployment": 143,
-    "test_multinode": 131,
-    "test_outages": 376,  # + Prefect down 3 minutes (2026-12-05)
-    "test_ray_connection": 99,
-    "test_register": 92,
-    "test_tune_sweep": 86,
-    "test_http_contract": 74,
-    "test_old_layout": 71,
-    "test_data_prep": 49,
-    "test_webhooks": 47,
+    "llm": 680,  # the vLLM modules and the fine-tune, one after another
+    "test_rollout": 431,
+    "test_approval": 322,
+    "test_recovery": 298,
+    "test_outages": 260,  # 378 with Prefect down 3 minutes, 75 s now (2026-12-05)
+    "test_stack_restart": 255,
+    "test_shadow_sticky": 213,
+    "test_ray_client": 159,
+    "test_pipeline_deployment": 153,
+    "test_tune_sweep": 134,
+    "test_multinode": 108,
+    "test_ray_connection": 83,
+    "test_old_layout": 83,
+    "test_register": 67,
+    "test_data_prep": 59,
+    "test_webhooks": 51,
+    "test_http_contract": 44,
+    "test_user_project": 42,
+    "test_local_services": 34,
+    "test_ray_runner_worker_caches": 27,
 }
 DEFAULT_GROUP_S = 20
 

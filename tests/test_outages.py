@@ -8,8 +8,10 @@
   the candidate keeps its share under a living holder; no user's answer fails; once Prefect
   is back the rollout goes on (Prefect's client retries a call for about a minute) and its
   flow run ends Completed, as it really ended;
-- the Prefect server down for 3 minutes: the rollout swaps and bakes in the outage, then
-  waits for Prefect to record its ending: Completed, with its timeline.
+- the Prefect server down for longer than its client retries a call (the retries cut to
+  two, about 6 s, so that the outage lasts 75 s instead of 3 minutes): the rollout swaps and
+  bakes in the outage, then waits for Prefect to record its ending: Completed, with its
+  timeline.
 The session's server is stopped and started again on the same state folder and port, as
 `deployments.local` restarts it."""
 
@@ -249,23 +251,32 @@ def test_prefect_down_for_30_s_mid_canary_costs_no_answer_and_the_run_ends_true(
     assert canary and all(t.state.is_completed() for t in canary), canary
 
 
-LONG_OUTAGE_S = 180
+# Prefect's client retries a call 5 times by default, 2, 4, 8, 16 and 32 s apart: a call made
+# in an outage fails for good about a minute later. Cut to 2 retries (2 + 4 s) for this test,
+# an outage of 75 s outlasts them by far, as 3 minutes outlast the default: the canary ends
+# about 20 s in, the rollout about 10 s later, and a call it made to Prefect then (its timeline
+# artifact, as before record.wait_for_prefect) would have failed some 45 s before Prefect
+# came back.
+LONG_OUTAGE_S = 75
+SHORT_CLIENT_RETRIES = 2
 
 
-def test_prefect_down_for_3_minutes_mid_canary_costs_no_answer_and_the_run_ends_true(
+def test_prefect_down_past_its_clients_retries_mid_canary_costs_no_answer_and_the_run_ends_true(
     stack, route, prefect_client
 ):
-    """Longer than Prefect's client retries a call (about a minute): the canary step ends
-    while Prefect is down and the rollout goes on (its gates need Ray and MLflow only): it
-    swaps and bakes in the outage, with no user's answer failed and never a candidate share
-    without a living holder. Then it waits for Prefect (record.wait_for_prefect) and records
-    its timeline, so the run's final state in Prefect is Completed, as it really ended.
-    Before, it failed on its timeline artifact after it had promoted v4, and the run's end
-    never reached Prefect."""
+    """Longer than Prefect's client retries a call: the canary step ends while Prefect is
+    down and the rollout goes on (its gates need Ray and MLflow only): it swaps and bakes in
+    the outage, with no user's answer failed and never a candidate share without a living
+    holder. Then it waits for Prefect (record.wait_for_prefect) and records its timeline, so
+    the run's final state in Prefect is Completed, as it really ended. Before, it failed on its
+    timeline artifact after it had promoted v4, and the run's end never reached Prefect."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-    gates = GATES.model_copy(update={"canary_hold_s": 30, "canary_max_wait_s": 120})
-    outage = prefect_down_in_a_canary(stack, route, "4", gates, LONG_OUTAGE_S)
+    gates = GATES.model_copy(update={"canary_hold_s": 20, "canary_max_wait_s": 120})
+    # The rollout runs in a copy of this context (drive.rolling_out): its client retries less.
+    with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: SHORT_CLIENT_RETRIES}):
+        outage = prefect_down_in_a_canary(stack, route, "4", gates, LONG_OUTAGE_S)
     result, traffic, seen = outage.result, outage.traffic, outage.seen
     stopped, back, port = outage.stopped, outage.back, route["port"]
     # The gates went on in the outage: v4 was swapped in while Prefect was down.
