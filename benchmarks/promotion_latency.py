@@ -268,7 +268,8 @@ def interval_peer(
 
 
 def first_started_after(prefect: Any, moved: float) -> Any:
-    """The reconcile run that started first at or after `moved`, or None yet."""
+    """The reconcile run that started first at or after `moved` (started: not one scheduled
+    to start then), or None yet."""
     from prefect.client.schemas.filters import (
         DeploymentFilter,
         FlowRunFilter,
@@ -280,7 +281,11 @@ def first_started_after(prefect: Any, moved: float) -> Any:
     after = datetime.fromtimestamp(moved, UTC)
     runs = prefect.read_flow_runs(
         deployment_filter=DeploymentFilter(id={"any_": [deployment.id]}),
-        flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=after)),
+        # Prefect filters start times as coalesce(start_time, expected_start_time): without
+        # is_null_=False a run the interval schedule has due later matches before it starts.
+        flow_run_filter=FlowRunFilter(
+            start_time=FlowRunFilterStartTime(after_=after, is_null_=False)
+        ),
         sort=FlowRunSort.START_TIME_ASC,
         limit=1,
     )
