@@ -62,6 +62,8 @@ QUIET_HEAD_ENV = (
     ("RAY_enable_metrics_collection", "0"),
     ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.25"),
 )
+# Every node this tooling starts (a head, a second node): no drain on stop, and quiet.
+NODE_ENV_DEFAULTS = ((SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN), *QUIET_HEAD_ENV)
 # Ray code in a node's workers that looks its own cluster up (the state API: Ray Train V2's
 # PlacementGroupCleaner asks it whether a Train controller is alive) finds every GCS on the
 # machine and gives up when there are several ("Found multiple active Ray instances"), as with
@@ -71,6 +73,12 @@ QUIET_HEAD_ENV = (
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 15.0
+
+
+def node_env_defaults(env: dict[str, str], more: tuple[tuple[str, str], ...] = ()) -> None:
+    """Give a Ray node's environment NODE_ENV_DEFAULTS (and `more`) where the user set none."""
+    for key, value in (*NODE_ENV_DEFAULTS, *more):
+        env.setdefault(key, value)
 
 
 class ServiceError(RuntimeError):
@@ -189,10 +197,7 @@ class Service:
         # Serve app build (one per version rolled out) then started a fresh worker that
         # imported Ray, Serve and the app again, ~1 CPU-s each. Kept idle a while, they are
         # reused.
-        env.setdefault(IDLE_WORKER_TTL_ENV, IDLE_WORKER_TTL_MS)
-        env.setdefault(SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN)
-        for key, value in QUIET_HEAD_ENV:
-            env.setdefault(key, value)
+        node_env_defaults(env, ((IDLE_WORKER_TTL_ENV, IDLE_WORKER_TTL_MS),))
         env["RAY_AUTH_TOKEN_PATH"] = str(self.ray_token_file)
         env.pop("RAY_AUTH_TOKEN", None)  # a client's token in this shell is not the head's
         env[RAY_ADDRESS_ENV] = f"{HOST}:{self.port}"  # for its workers: see RAY_ADDRESS_ENV

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from deployments.local import NO_SHUTDOWN_DRAIN, QUIET_HEAD_ENV, RAY_ADDRESS_ENV, SHUTDOWN_DRAIN_ENV
+from deployments.local import RAY_ADDRESS_ENV, node_env_defaults
 from deployments.ports import HOST, free_ports
 from deployments.processes import group_alive
 
@@ -93,9 +93,7 @@ def join(
     env.update(
         RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file)
     )
-    env.setdefault(SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN)  # see deployments.local
-    for key, value in QUIET_HEAD_ENV:  # its workers report no metrics either
-        env.setdefault(key, value)
+    node_env_defaults(env)  # see deployments.local
     env[RAY_ADDRESS_ENV] = address  # its workers' own cluster: see deployments.local
     argv = [str(Path(sys.executable).parent / "ray"), "start", "--block"]
     argv += ["--address", address, "--node-ip-address", HOST]

@@ -255,7 +255,7 @@ def test_prefect_down_for_30_s_mid_canary_costs_no_answer_and_the_run_ends_true(
 # in an outage fails for good about a minute later. Cut to 2 retries (2 + 4 s) for this test,
 # an outage of 75 s outlasts them by far, as 3 minutes outlast the default: the canary ends
 # about 20 s in, the rollout about 10 s later, and a call it made to Prefect then (its timeline
-# artifact, as before record.wait_for_prefect) would have failed some 45 s before Prefect
+# artifact, as before record.wait_for_prefect) would have failed about 40 s before Prefect
 # came back.
 LONG_OUTAGE_S = 75
 SHORT_CLIENT_RETRIES = 2
