@@ -122,3 +122,34 @@ def test_plain_ray_tasks_started_by_a_task_run_log_under_it(prefect_client, line
     assert child.name == "ray.shout" and child.flow_run_id == lineage_run["flow_run_id"]
     # Forwarded once each, and nothing else the task run printed or logged came this way.
     assert sorted(log.message for log in logs if log.name.startswith("ray.")) == sorted(wanted)
+
+
+@task
+def says_on_the_console(marker: str) -> list[str]:
+    from prefect import get_run_logger
+
+    get_run_logger().info("console %s", marker)
+    return [type(handler).__name__ for handler in logging.getLogger().handlers]
+
+
+@flow
+def console_flow(marker: str) -> list[str]:
+    return says_on_the_console.submit(marker).result()
+
+
+def test_a_task_runs_console_line_is_printed_plain_in_its_worker_and_reaches_the_driver(
+    stack, capfd
+):
+    """In the Ray worker, Prefect's console handler (Rich) gives way to a plain StreamHandler
+    with its format; the task run's line still reaches the flow's console through Ray's log
+    stream, as Prefect formats it."""
+    marker = f"m{time.monotonic_ns()}"
+    runner = RayClusterTaskRunner(stack.ray_cluster())
+    handlers = console_flow.with_options(task_runner=runner)(marker)
+    assert "PrefectConsoleHandler" not in handlers and "StreamHandler" in handlers, handlers
+    printed, deadline = "", time.monotonic() + 30
+    while f"console {marker}" not in printed and time.monotonic() < deadline:
+        time.sleep(0.5)
+        printed += capfd.readouterr().err
+    (line,) = [line for line in printed.splitlines() if f"console {marker}" in line]
+    assert "| INFO    | Task run 'says_on_the_console-" in line, line

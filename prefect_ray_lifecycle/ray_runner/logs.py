@@ -13,6 +13,7 @@ through Ray's own log stream, named by lineage.ray_task_name, and is posted ther
 from __future__ import annotations
 
 import datetime
+import logging
 import queue
 import threading
 import time
@@ -22,7 +23,8 @@ from uuid import UUID
 import orjson
 from prefect.client.orchestration import get_client
 from prefect.context import SettingsContext
-from prefect.logging.handlers import APILogWorker, set_api_log_sink
+from prefect.logging.configuration import ensure_logging_setup
+from prefect.logging.handlers import APILogWorker, PrefectConsoleHandler, set_api_log_sink
 from prefect.logging.loggers import get_logger
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.utilities.importtools import lazy_import
@@ -37,6 +39,25 @@ ray = lazy_import("ray")
 logger = get_logger(__name__)
 
 POST_BATCHES_AT_MOST = 64  # task runs' log batches merged into one POST /logs/
+
+
+def plain_console() -> None:
+    """Print the console lines of this process (a Ray worker) through a plain StreamHandler
+    instead of Prefect's console handler: the same lines, level and format, on the same stream,
+    without Rich rendering each one. A worker's stderr is a file that Ray's log monitor ships to
+    the driver, where Rich adds nothing; its rendering was about half of what a no-op task
+    run's console lines cost on Ray (docs/benchmarks.md). Idempotent. Prefect configures a
+    worker's logging on first use (ensure_logging_setup), so it is configured here first."""
+    ensure_logging_setup()
+    root = logging.getLogger()
+    for index, handler in enumerate(root.handlers):
+        if isinstance(handler, PrefectConsoleHandler):
+            plain = logging.StreamHandler(handler.stream)
+            plain.setLevel(handler.level)
+            plain.setFormatter(handler.formatter)
+            for log_filter in handler.filters:
+                plain.addFilter(log_filter)
+            root.handlers[index] = plain
 
 
 class TaskRunLogs:

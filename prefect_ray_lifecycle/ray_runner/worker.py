@@ -41,7 +41,7 @@ from prefect_ray_lifecycle.ray_runner.lineage import (
     prefect_ids_in_name,
     ray_task_name,
 )
-from prefect_ray_lifecycle.ray_runner.logs import TaskRunLogs
+from prefect_ray_lifecycle.ray_runner.logs import TaskRunLogs, plain_console
 from prefect_ray_lifecycle.ray_runner.settings import adopt_flow_settings, route_events
 from prefect_ray_lifecycle.workloads.constants import PROJECT_NAMESPACE
 
@@ -73,6 +73,7 @@ def run_on_ray(
     prefect_context = worker_context(context)
     adopt_flow_settings(prefect_context.settings)
     route_events(prefect_context.settings)
+    plain_console()
     tag_child_tasks()
     task = worker_task(task)
     parameters = visit_collection(
