@@ -57,13 +57,12 @@ SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S",
 # reports to its node's agent, which exports for Prometheus) are not scraped by anything the
 # local stack runs; Serve's controller checks its deployments 10 times a second by default,
 # and 4 are enough here (a replica's start or death is seen within 0.25 s; health checks keep
-# their own period).
-QUIET_HEAD_ENV = (
+# their own period). Every node this tooling starts (a head, a second node) gets all three.
+NODE_ENV_DEFAULTS = (
+    (SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN),
     ("RAY_enable_metrics_collection", "0"),
     ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.25"),
 )
-# Every node this tooling starts (a head, a second node): no drain on stop, and quiet.
-NODE_ENV_DEFAULTS = ((SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN), *QUIET_HEAD_ENV)
 # Ray code in a node's workers that looks its own cluster up (the state API: Ray Train V2's
 # PlacementGroupCleaner asks it whether a Train controller is alive) finds every GCS on the
 # machine and gives up when there are several ("Found multiple active Ray instances"), as with

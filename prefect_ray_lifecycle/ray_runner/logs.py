@@ -13,6 +13,7 @@ through Ray's own log stream, named by lineage.ray_task_name, and is posted ther
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import queue
 import threading
@@ -41,13 +42,15 @@ logger = get_logger(__name__)
 POST_BATCHES_AT_MOST = 64  # task runs' log batches merged into one POST /logs/
 
 
+@functools.cache  # once per process, like the worker's other caches (contexts.worker_context)
 def plain_console() -> None:
     """Print the console lines of this process (a Ray worker) through a plain StreamHandler
     instead of Prefect's console handler: the same lines, level and format, on the same stream,
     without Rich rendering each one. A worker's stderr is a file that Ray's log monitor ships to
     the driver, where Rich adds nothing; its rendering was about half of what a no-op task
     run's console lines cost on Ray (docs/benchmarks.md). Idempotent. Prefect configures a
-    worker's logging on first use (ensure_logging_setup), so it is configured here first."""
+    worker's logging on first use (ensure_logging_setup), so it is configured here first, with
+    the flow's settings adopted (worker.run_on_ray)."""
     ensure_logging_setup()
     root = logging.getLogger()
     for index, handler in enumerate(root.handlers):
