@@ -4,8 +4,12 @@ code started from a task run prints or logs lands in that task run's logs."""
 
 from __future__ import annotations
 
+import io
 import logging
+import os
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -129,6 +133,7 @@ def says_on_the_console(marker: str) -> list[str]:
     from prefect import get_run_logger
 
     get_run_logger().info("console %s", marker)
+    print(f"printed {marker}", file=sys.stderr)  # not logging: Ray's log stream, at once
     return [type(handler).__name__ for handler in logging.getLogger().handlers]
 
 
@@ -137,19 +142,83 @@ def console_flow(marker: str) -> list[str]:
     return says_on_the_console.submit(marker).result()
 
 
-def test_a_task_runs_console_line_is_printed_plain_in_its_worker_and_reaches_the_driver(
-    stack, capfd
-):
-    """In the Ray worker, Prefect's console handler (Rich) gives way to a plain StreamHandler
-    with its format; the task run's line still reaches the flow's console through Ray's log
-    stream, as Prefect formats it."""
+class Consoles:
+    """What the flow process's console shows, by who printed it: the flow process itself
+    (Prefect's console handler, given a stream of this test's) or Ray's log stream from the
+    workers (printed on this process's stderr)."""
+
+    def __init__(self, capfd, driver: io.StringIO):
+        self.capfd, self.driver, self.ray = capfd, driver, ""
+
+    def until(self, *wanted: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(w in self.driver.getvalue() + self.ray for w in wanted):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+            self.ray += self.capfd.readouterr().err
+
+
+@pytest.fixture
+def consoles(capfd):
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    (handler,) = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+    old, handler.stream = handler.stream, io.StringIO()
+    try:
+        yield Consoles(capfd, handler.stream)
+    finally:
+        handler.stream = old
+
+
+def test_a_short_task_runs_console_line_is_printed_once_by_the_driver(stack, consoles):
+    """In the Ray worker, Prefect's console handler (Rich) gives way to WorkerConsole (a
+    plain StreamHandler with its format), which holds a young task run's lines: the flow
+    process prints them once, as Prefect formats them, and Ray's log stream does not carry
+    them too."""
     marker = f"m{time.monotonic_ns()}"
     runner = RayClusterTaskRunner(stack.ray_cluster())
     handlers = console_flow.with_options(task_runner=runner)(marker)
-    assert "PrefectConsoleHandler" not in handlers and "StreamHandler" in handlers, handlers
-    printed, deadline = "", time.monotonic() + 30
-    while f"console {marker}" not in printed and time.monotonic() < deadline:
-        time.sleep(0.5)
-        printed += capfd.readouterr().err
-    (line,) = [line for line in printed.splitlines() if f"console {marker}" in line]
-    assert "| INFO    | Task run 'says_on_the_console-" in line, line
+    assert "PrefectConsoleHandler" not in handlers and "WorkerConsole" in handlers, handlers
+    # The worker printed to its stderr after it logged: once that line has come through
+    # Ray's log stream, so would the logged line have, had the worker printed it.
+    consoles.until(f"printed {marker}", f"console {marker}")
+    assert f"printed {marker}" in consoles.ray and f"console {marker}" not in consoles.ray
+    (line,) = [line for line in consoles.driver.getvalue().splitlines() if marker in line]
+    assert "| INFO    | Task run 'says_on_the_console-" in line and line.endswith(marker), line
+
+
+@task
+def logs_then_waits(marker: str, release: str) -> None:
+    from prefect import get_run_logger
+
+    logger = get_run_logger()
+    logger.info("early %s", marker)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    logger.info("late %s released=%s", marker, os.path.exists(release))
+
+
+@flow
+def waiting_flow(marker: str, release: str) -> None:
+    logs_then_waits.submit(marker, release).result()
+
+
+def test_a_long_task_runs_console_lines_are_printed_while_it_runs(stack, consoles, tmp_path):
+    """The flow's console keeps its live view: a task run still going after
+    CONSOLE_LIVE_AFTER_S has its held lines printed from its worker (Ray's log stream) while
+    it runs (here it waits for the test to see them), and each line once."""
+    marker, release = f"m{time.monotonic_ns()}", tmp_path / "release"
+    runner = RayClusterTaskRunner(stack.ray_cluster())
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(waiting_flow.with_options(task_runner=runner), marker, str(release))
+        consoles.until(f"early {marker}")
+        seen_while_running = f"early {marker}" in consoles.ray and not run.done()
+        release.touch()
+        run.result(timeout=180)
+    consoles.until(f"late {marker}")
+    printed = consoles.driver.getvalue() + consoles.ray
+    assert seen_while_running, printed[-2000:]
+    assert printed.count(f"early {marker}") == 1 and printed.count(f"late {marker}") == 1
+    assert f"late {marker} released=True" in consoles.ray

@@ -12,12 +12,15 @@ through Ray's own log stream, named by lineage.ray_task_name, and is posted ther
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
 import functools
 import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 from uuid import UUID
 
@@ -42,25 +45,132 @@ logger = get_logger(__name__)
 POST_BATCHES_AT_MOST = 64  # task runs' log batches merged into one POST /logs/
 
 
+CONSOLE_LIVE_AFTER_S = 1.0  # a task run's console lines are held this long, then go live
+CONSOLE_SWEEP_S = 0.25  # how often a worker looks for held lines that are due
+
+
+class HeldLines:
+    """The console lines of one task run, held in its Ray worker while the run is young."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.due = time.monotonic() + CONSOLE_LIVE_AFTER_S
+        self.live = False  # printed in the worker from now on (or taken for the driver)
+
+
+_held_lines: contextvars.ContextVar[HeldLines | None] = contextvars.ContextVar(
+    "prefect_ray_held_console_lines", default=None
+)
+
+
+class WorkerConsole(logging.StreamHandler):
+    """A Ray worker's console handler, in place of Prefect's console handler (Rich): the same
+    lines, level and format, on the same stream, without Rich rendering each one. A task run's
+    lines are held for its first CONSOLE_LIVE_AFTER_S: a run that ends by then hands them to
+    the driver with its result, which prints them once (print_console_lines), so they skip the
+    worker's stderr, Ray's log monitor and the GCS; a longer run prints them, and everything
+    after, live from the worker (Ray's log stream), as before. Lines logged outside a task run
+    (a library's warning at import) are printed at once. About a millisecond of CPU a task
+    run on 2 cores (docs/benchmarks.md)."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._young: set[HeldLines] = set()  # under self.lock
+        self._sweeper: threading.Thread | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:  # called under self.lock
+        held = _held_lines.get()
+        if held is None or held.live:
+            super().emit(record)
+            return
+        try:
+            held.lines.append(self.format(record))
+        except Exception:
+            self.handleError(record)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[HeldLines]:
+        """Hold the console lines of what runs inside (a task run) until it ends or is due;
+        what is still held at the end is the caller's: take() it, or print it (go_live)."""
+        held = HeldLines()
+        token = _held_lines.set(held)
+        with self.lock:
+            self._young.add(held)
+            if self._sweeper is None:
+                self._sweeper = threading.Thread(
+                    target=self._sweep_forever, daemon=True, name="prefect-ray-console"
+                )
+                self._sweeper.start()
+        try:
+            yield held
+        finally:
+            _held_lines.reset(token)
+
+    def take(self, held: HeldLines) -> str:
+        """The lines still held, as one text for the driver; none are printed here after."""
+        with self.lock:
+            self._young.discard(held)
+            lines, held.lines, held.live = held.lines, [], True
+        return "".join(line + self.terminator for line in lines)
+
+    def go_live(self, held: HeldLines) -> None:
+        """Print what is held now, here, and every later line of the run at once."""
+        with self.lock:
+            self._young.discard(held)
+            self._print(held)
+
+    def _print(self, held: HeldLines) -> None:  # under self.lock
+        lines, held.lines, held.live = held.lines, [], True
+        if lines:
+            try:
+                self.stream.write("".join(line + self.terminator for line in lines))
+                self.flush()
+            except Exception:  # a closed stream must not fail the task run
+                pass
+
+    def _sweep_forever(self) -> None:
+        while True:
+            time.sleep(CONSOLE_SWEEP_S)
+            now = time.monotonic()
+            with self.lock:
+                for held in [held for held in self._young if held.due <= now]:
+                    self._young.discard(held)
+                    self._print(held)
+
+
 @functools.cache  # once per process, like the worker's other caches (contexts.worker_context)
-def plain_console() -> None:
-    """Print the console lines of this process (a Ray worker) through a plain StreamHandler
-    instead of Prefect's console handler: the same lines, level and format, on the same stream,
-    without Rich rendering each one. A worker's stderr is a file that Ray's log monitor ships to
-    the driver, where Rich adds nothing; its rendering was about half of what a no-op task
-    run's console lines cost on Ray (docs/benchmarks.md). Idempotent. Prefect configures a
-    worker's logging on first use (ensure_logging_setup), so it is configured here first, with
-    the flow's settings adopted (worker.run_on_ray)."""
+def worker_console() -> WorkerConsole | None:
+    """This process's (a Ray worker's) console handler, WorkerConsole in place of Prefect's;
+    None where Prefect's logging prints to no console. Prefect configures a worker's logging
+    on first use (ensure_logging_setup), so it is configured here first, with the flow's
+    settings adopted (worker.run_on_ray)."""
     ensure_logging_setup()
     root = logging.getLogger()
     for index, handler in enumerate(root.handlers):
         if isinstance(handler, PrefectConsoleHandler):
-            plain = logging.StreamHandler(handler.stream)
-            plain.setLevel(handler.level)
-            plain.setFormatter(handler.formatter)
+            console = WorkerConsole(handler.stream)
+            console.setLevel(handler.level)
+            console.setFormatter(handler.formatter)
             for log_filter in handler.filters:
-                plain.addFilter(log_filter)
-            root.handlers[index] = plain
+                console.addFilter(log_filter)
+            root.handlers[index] = console
+            return console
+    return None
+
+
+def print_console_lines(text: str) -> None:
+    """Print a task run's console lines (formatted in its worker) on this process's console:
+    the stream of the root logger's console handler (Prefect's, or WorkerConsole in a Ray
+    worker), under its lock; nowhere where the root logger prints to no console."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler | WorkerConsole):
+            with handler.lock or contextlib.nullcontext():
+                try:
+                    handler.stream.write(text)
+                    handler.stream.flush()
+                except Exception:  # the console is best effort; the task's outcome is not
+                    pass
+            return
 
 
 class TaskRunLogs:
@@ -140,21 +250,64 @@ class TaskRunLogs:
                 pending.task_done()
 
 
+class RunLines(NamedTuple):
+    """What a task run's Ray task returns beside its final state (worker.run_on_ray)."""
+
+    api: list[bytes]  # its log lines as the JSON Prefect's log worker sends
+    console: str  # its console lines that its worker did not print (WorkerConsole)
+
+
+_forwarding: dict[Any, threading.Event] = {}  # lines refs whose callback has not ended yet
+_forwarding_lock = threading.Lock()
+
+
 def forward_task_logs(lines_ref: Any, settings: SettingsContext) -> None:
-    """Once a task run's Ray task has returned, post the log lines it returned (a list of
-    JSON lines, the second return of worker.run_on_ray) with the flow's own logs, through
-    Prefect's log worker of `settings` (the flow's), which batches them. An attempt that
-    crashed returns nothing: its lines went with its worker (a re-run returns its own)."""
+    """Once a task run's Ray task has returned, print the console lines it returned and post
+    its log lines (RunLines, the second return of worker.run_on_ray) with the flow's own logs,
+    through Prefect's log worker of `settings` (the flow's), which batches them. An attempt
+    that crashed returns nothing: its lines went with its worker (a re-run returns its own).
+    Ray calls back on a thread of its own, possibly after the flow has the run's state:
+    wait_forwarded waits for it."""
+    forwarded = threading.Event()
+    with _forwarding_lock:
+        _forwarding[lines_ref] = forwarded
 
     def forward(done: Any) -> None:
         try:
             lines = done.result()
         except Exception:
             return
-        if lines:
-            post_log_lines(lines, settings)
+        else:
+            if lines.console:
+                print_console_lines(lines.console)
+            if lines.api:
+                post_log_lines(lines.api, settings)
+        finally:
+            with _forwarding_lock:
+                _forwarding.pop(lines_ref, None)
+            forwarded.set()
 
     lines_ref.future().add_done_callback(forward)
+
+
+def wait_forwarded(timeout: float) -> None:
+    """Wait (at most `timeout` s) until the lines of every task run whose Ray task has
+    returned are printed and queued for the API: a runner that leaves Ray at its exit would
+    drop the callbacks still due. Task runs still going are not waited for."""
+    with _forwarding_lock:
+        pending = dict(_forwarding)
+    if not pending:
+        return
+    try:
+        returned, _ = ray.wait(
+            list(pending), num_returns=len(pending), timeout=0, fetch_local=False
+        )
+    except Exception as error:  # refs of a Ray this process has left: nothing will call back
+        logger.debug("Not waiting for task runs' lines: %r", error)
+        return
+    deadline = time.monotonic() + timeout
+    for ref in returned:
+        pending[ref].wait(max(0.0, deadline - time.monotonic()))
 
 
 def post_log_lines(lines: list[bytes], settings: SettingsContext) -> None:

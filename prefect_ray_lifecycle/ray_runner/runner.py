@@ -41,7 +41,7 @@ from prefect_ray_lifecycle.ray_runner.lineage import (
     link_flow_run,
     ray_task_name,
 )
-from prefect_ray_lifecycle.ray_runner.logs import ChildTaskLogs, forward_task_logs
+from prefect_ray_lifecycle.ray_runner.logs import ChildTaskLogs, forward_task_logs, wait_forwarded
 from prefect_ray_lifecycle.ray_runner.options import RAY_OPTIONS_ATTRIBUTE
 from prefect_ray_lifecycle.ray_runner.settings import prefect_api_url, worker_settings_overrides
 from prefect_ray_lifecycle.ray_runner.worker import run_on_ray, worker_setup_hook
@@ -62,6 +62,7 @@ RAY_CLIENT_LIMITS = (
     "setup hook from ray.init). Use the cluster's GCS address (host:port) for those."
 )
 CRASH_EVENTS_LAG_S = 3.0  # how long a crashed task's last events may take to be recorded
+FORWARDED_WAIT_S = 5.0  # at exit, at most this long for returned runs' lines (wait_forwarded)
 
 
 class RayClusterTaskRunner(RayRunnerBase):
@@ -154,6 +155,7 @@ class RayClusterTaskRunner(RayRunnerBase):
 
     def __exit__(self, *exc_info: Any) -> None:
         try:
+            wait_forwarded(FORWARDED_WAIT_S)
             if self._child_logs and self._flow_run_id is not None:
                 ChildTaskLogs.drain(self._flow_run_id)
         finally:

@@ -15,6 +15,7 @@ importing Prefect (only Ray and the package's compat module for Ray's private na
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 import types
@@ -41,7 +42,7 @@ from prefect_ray_lifecycle.ray_runner.lineage import (
     prefect_ids_in_name,
     ray_task_name,
 )
-from prefect_ray_lifecycle.ray_runner.logs import TaskRunLogs, plain_console
+from prefect_ray_lifecycle.ray_runner.logs import RunLines, TaskRunLogs, worker_console
 from prefect_ray_lifecycle.ray_runner.settings import adopt_flow_settings, route_events
 from prefect_ray_lifecycle.workloads.constants import PROJECT_NAMESPACE
 
@@ -64,16 +65,17 @@ def run_on_ray(
     crash_backoff_s: float,
     wait_for: Iterable[PrefectFuture[Any]] | None = None,
     dependencies: dict[str, set[Any]] | None = None,
-) -> tuple[State, list[bytes]]:
+) -> tuple[State, RunLines]:
     """Run one Prefect task run in a Ray worker; when Ray re-runs it after a system failure,
     continue the same task run as its next, recorded attempt. `task` and `context` come from
     contexts.ContextShipper; the task, settings, client and flow run context are cached per
-    process. Returns the final state and the run's log lines (JSON), which the driver posts
+    process. Returns the final state and the run's log lines: as JSON, which the driver posts,
+    and its console lines not printed here yet, which the driver prints
     (logs.forward_task_logs)."""
     prefect_context = worker_context(context)
     adopt_flow_settings(prefect_context.settings)
     route_events(prefect_context.settings)
-    plain_console()
+    console = worker_console()
     tag_child_tasks()
     task = worker_task(task)
     parameters = visit_collection(
@@ -99,16 +101,19 @@ def run_on_ray(
         else:
             kwargs["task_run"] = task_run
         logs = TaskRunLogs(prefect_context.settings)
-        try:
-            if task.isasync:
-                state = prefect_context.run_async(lambda: run_async(kwargs))
-            else:
-                lost_attempts = attempt if attempt > 0 and task_run is None else 0
-                state = run_sync(kwargs, lost_attempts)
-        except BaseException:
-            logs.send()  # nothing goes back to the driver: post them from here
-            raise
-        return state, logs.taken()
+        with console.holding() if console else contextlib.nullcontext() as held:
+            try:
+                if task.isasync:
+                    state = prefect_context.run_async(lambda: run_async(kwargs))
+                else:
+                    lost_attempts = attempt if attempt > 0 and task_run is None else 0
+                    state = run_sync(kwargs, lost_attempts)
+            except BaseException:
+                logs.send()  # nothing goes back to the driver: post and print them from here
+                if console and held:
+                    console.go_live(held)
+                raise
+        return state, RunLines(logs.taken(), console.take(held) if console and held else "")
 
 
 def continue_after_crash(
