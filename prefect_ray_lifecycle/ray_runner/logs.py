@@ -52,10 +52,21 @@ CONSOLE_SWEEP_S = 0.25  # how often a worker looks for held lines that are due
 class HeldLines:
     """The console lines of one task run, held in its Ray worker while the run is young."""
 
-    def __init__(self) -> None:
+    def __init__(self, console: WorkerConsole | None) -> None:
+        self.console = console  # None: this worker prints to no console, nothing is held
         self.lines: list[str] = []
         self.due = time.monotonic() + CONSOLE_LIVE_AFTER_S
         self.live = False  # printed in the worker from now on (or taken for the driver)
+
+    def take(self) -> str:
+        """The lines still held, as one text for the driver; none are printed here after."""
+        return self.console.stop_holding(self) if self.console else ""
+
+    def go_live(self) -> None:
+        """Print what is held now, here, and every later line of the run at once."""
+        if self.console:
+            with self.console.lock:
+                write_console(self.console, self.console.stop_holding(self))
 
 
 _held_lines: contextvars.ContextVar[HeldLines | None] = contextvars.ContextVar(
@@ -88,12 +99,7 @@ class WorkerConsole(logging.StreamHandler):
         except Exception:
             self.handleError(record)
 
-    @contextlib.contextmanager
-    def holding(self) -> Iterator[HeldLines]:
-        """Hold the console lines of what runs inside (a task run) until it ends or is due;
-        what is still held at the end is the caller's: take() it, or print it (go_live)."""
-        held = HeldLines()
-        token = _held_lines.set(held)
+    def hold(self, held: HeldLines) -> None:
         with self.lock:
             self._young.add(held)
             if self._sweeper is None:
@@ -101,32 +107,13 @@ class WorkerConsole(logging.StreamHandler):
                     target=self._sweep_forever, daemon=True, name="prefect-ray-console"
                 )
                 self._sweeper.start()
-        try:
-            yield held
-        finally:
-            _held_lines.reset(token)
 
-    def take(self, held: HeldLines) -> str:
-        """The lines still held, as one text for the driver; none are printed here after."""
+    def stop_holding(self, held: HeldLines) -> str:
+        """Stop holding `held`'s lines: the ones held so far, as one text."""
         with self.lock:
             self._young.discard(held)
             lines, held.lines, held.live = held.lines, [], True
         return "".join(line + self.terminator for line in lines)
-
-    def go_live(self, held: HeldLines) -> None:
-        """Print what is held now, here, and every later line of the run at once."""
-        with self.lock:
-            self._young.discard(held)
-            self._print(held)
-
-    def _print(self, held: HeldLines) -> None:  # under self.lock
-        lines, held.lines, held.live = held.lines, [], True
-        if lines:
-            try:
-                self.stream.write("".join(line + self.terminator for line in lines))
-                self.flush()
-            except Exception:  # a closed stream must not fail the task run
-                pass
 
     def _sweep_forever(self) -> None:
         while True:
@@ -134,8 +121,24 @@ class WorkerConsole(logging.StreamHandler):
             now = time.monotonic()
             with self.lock:
                 for held in [held for held in self._young if held.due <= now]:
-                    self._young.discard(held)
-                    self._print(held)
+                    write_console(self, self.stop_holding(held))
+
+
+@contextlib.contextmanager
+def held_console() -> Iterator[HeldLines]:
+    """Hold the console lines of what runs inside (a task run) until it ends or is due; what
+    is still held at the end is the caller's: take() it, or print it (go_live)."""
+    console = worker_console()
+    held = HeldLines(console)
+    if console is None:
+        yield held
+        return
+    token = _held_lines.set(held)
+    console.hold(held)
+    try:
+        yield held
+    finally:
+        _held_lines.reset(token)
 
 
 @functools.cache  # once per process, like the worker's other caches (contexts.worker_context)
@@ -158,6 +161,16 @@ def worker_console() -> WorkerConsole | None:
     return None
 
 
+def write_console(handler: logging.StreamHandler, text: str) -> None:
+    """Write formatted lines to a console handler's stream (the caller holds its lock)."""
+    if text:
+        try:
+            handler.stream.write(text)
+            handler.stream.flush()
+        except Exception:  # the console is best effort; the task's outcome is not
+            pass
+
+
 def print_console_lines(text: str) -> None:
     """Print a task run's console lines (formatted in its worker) on this process's console:
     the stream of the root logger's console handler (Prefect's, or WorkerConsole in a Ray
@@ -165,11 +178,7 @@ def print_console_lines(text: str) -> None:
     for handler in logging.getLogger().handlers:
         if isinstance(handler, PrefectConsoleHandler | WorkerConsole):
             with handler.lock or contextlib.nullcontext():
-                try:
-                    handler.stream.write(text)
-                    handler.stream.flush()
-                except Exception:  # the console is best effort; the task's outcome is not
-                    pass
+                write_console(handler, text)
             return
 
 

@@ -15,7 +15,6 @@ importing Prefect (only Ray and the package's compat module for Ray's private na
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import time
 import types
@@ -42,7 +41,7 @@ from prefect_ray_lifecycle.ray_runner.lineage import (
     prefect_ids_in_name,
     ray_task_name,
 )
-from prefect_ray_lifecycle.ray_runner.logs import RunLines, TaskRunLogs, worker_console
+from prefect_ray_lifecycle.ray_runner.logs import RunLines, TaskRunLogs, held_console
 from prefect_ray_lifecycle.ray_runner.settings import adopt_flow_settings, route_events
 from prefect_ray_lifecycle.workloads.constants import PROJECT_NAMESPACE
 
@@ -75,7 +74,6 @@ def run_on_ray(
     prefect_context = worker_context(context)
     adopt_flow_settings(prefect_context.settings)
     route_events(prefect_context.settings)
-    console = worker_console()
     tag_child_tasks()
     task = worker_task(task)
     parameters = visit_collection(
@@ -101,7 +99,7 @@ def run_on_ray(
         else:
             kwargs["task_run"] = task_run
         logs = TaskRunLogs(prefect_context.settings)
-        with console.holding() if console else contextlib.nullcontext() as held:
+        with held_console() as console_lines:
             try:
                 if task.isasync:
                     state = prefect_context.run_async(lambda: run_async(kwargs))
@@ -110,10 +108,9 @@ def run_on_ray(
                     state = run_sync(kwargs, lost_attempts)
             except BaseException:
                 logs.send()  # nothing goes back to the driver: post and print them from here
-                if console and held:
-                    console.go_live(held)
+                console_lines.go_live()
                 raise
-        return state, RunLines(logs.taken(), console.take(held) if console and held else "")
+        return state, RunLines(logs.taken(), console_lines.take())
 
 
 def continue_after_crash(
