@@ -16,19 +16,26 @@ STAMP := $(VENV)/.installed
 UV_VERSION ?= 0.13.9
 UV := .uv/bin/uv
 UV_FLAGS = $(shell $(PYTHON) deployments/pip_to_uv.py) --index-strategy unsafe-best-match
-# --compile-bytecode: uv writes no .pyc by default (pip did), and where PYTHONDONTWRITEBYTECODE
-# is set (CI, many containers) no process writes them either: every Python process (each Ray
-# worker, Serve replica and flow run) would compile torch, Ray and Prefect from source again.
-UV_INSTALL = $(UV) pip install -q --compile-bytecode $(UV_FLAGS) $(UV_C)
+UV_INSTALL = $(UV) pip install -q $(UV_FLAGS) $(UV_C)
+# Bytecode is written by the first process that imports a module, for every later one. uv
+# writes no .pyc at install (pip did); where PYTHONDONTWRITEBYTECODE is set (CI, many
+# containers) no process would write one either, and every Python process (each Ray worker,
+# Serve replica and flow run) would compile torch, Ray and Prefect from source again. So the
+# targets below run without it. uv's --compile-bytecode did the same at install, but for every
+# file in the venvs: 24 of a fresh install's 31 s here, most of it never imported.
+unexport PYTHONDONTWRITEBYTECODE
 CPU_TORCH = import torch; assert torch.version.cuda is None, 'torch ' + torch.__version__ + ' is a CUDA build'
 
 .PHONY: install llm-venv venvs demo demo-llm test lint up down status clean
 
 install: $(STAMP)
 
+# With this Python's pip into .uv/ (2 s); where it has none, or may not install there, into a
+# venv of its own (3 s more: the venv's pip is set up first).
 $(UV):
-	@test -x .uv/bin/python || $(PYTHON) -m venv .uv || python3 -m venv .uv
-	.uv/bin/python -m pip install -q "uv==$(UV_VERSION)"
+	PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install -q --disable-pip-version-check \
+		--target .uv "uv==$(UV_VERSION)" 2>/dev/null || { rm -rf .uv; \
+		$(PYTHON) -m venv .uv || python3 -m venv .uv; .uv/bin/python -m pip install -q "uv==$(UV_VERSION)"; }
 
 $(STAMP): pyproject.toml $(CONSTRAINTS) | $(UV)
 	@test -x $(BIN)/python || $(UV) venv -q --seed --python $(PYTHON) $(VENV)
@@ -58,18 +65,12 @@ $(LLM_STAMP): constraints/llm.txt constraints/llm-overrides.txt $(CONSTRAINTS) |
 	$(LLM_BIN)/python -c "import vllm, ray, ray.serve; print('vllm', vllm.__version__, 'ray', ray.__version__)"
 	@touch $(LLM_STAMP)
 
-# The checkout's own code compiled once (see --compile-bytecode above); stale files are
-# recompiled in memory by Python, never trusted.
-COMPILE_OWN = $(BIN)/python -m compileall -q -j 0 prefect_ray_lifecycle deployments
-
 demo: install
-	@$(COMPILE_OWN)
 	$(BIN)/python -m deployments.demo
 
 # The LLM lifecycle on the same local services: fine-tune, evaluate, register, promote, and a
 # gated LLM rollout on /llm (vLLM from .venv-llm).
 demo-llm: venvs
-	@$(COMPILE_OWN)
 	$(BIN)/python -m deployments.demo_llm
 
 # Test modules run whole on TEST_WORKERS pytest-xdist workers, each with its own services
@@ -81,7 +82,6 @@ venvs:
 	$(MAKE) -j2 install llm-venv
 
 test: venvs lint
-	@$(COMPILE_OWN) tests benchmarks
 	# A missing .venv-llm fails the LLM tests here instead of skipping them.
 	RLT_REQUIRE_LLM=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 

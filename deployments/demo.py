@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ DEPLOYMENT = "train-and-ship/train-and-ship"
 ROUTE = "policy"
 MODEL_NAME = "cartpole-ppo"
 RUN_TIMEOUT_S = 1800
+WATCH_EVERY_S = 1.0  # how often the run and its subflows are read
 OBSERVATIONS = [
     [0.01, -0.02, 0.03, 0.04],
     [0.1, 0.5, -0.05, -0.6],
@@ -82,7 +84,7 @@ def watch(client, flow_run_id: str, timeout: float):
                 f"{DEPLOYMENT} run {flow_run_id} is still "
                 f"{run.state and run.state.name} after {timeout:.0f} s"
             )
-        time.sleep(3)
+        time.sleep(WATCH_EVERY_S)
 
 
 class Traffic(threading.Thread):
@@ -181,14 +183,22 @@ def prepare(state_dir: Path) -> Ready | None:
     for line in run([python, "-m", "deployments.setup", *state], env, "setup").splitlines():
         print(f"   {line}")
 
-    print("== deploying every flow (prefect --no-prompt deploy --all)", flush=True)
-    out = run([prefect, "--no-prompt", "deploy", "--all"], env, "prefect deploy")
-    deployed = sorted(set(re.findall(r"Deployment '([^']+)' successfully", out)))
+    # The worker needs only the pool (set up above), not the deployments: both start at once.
+    print(
+        "== deploying every flow (prefect --no-prompt deploy --all) and starting a process "
+        "worker for the pool",
+        flush=True,
+    )
+    with ThreadPoolExecutor(2) as pool:
+        deploying = pool.submit(
+            run, [prefect, "--no-prompt", "deploy", "--all"], env, "prefect deploy"
+        )
+        starting = pool.submit(
+            run, [python, "-m", "deployments.setup", *state, "--worker", "start"], env, "worker"
+        )
+    deployed = sorted(set(re.findall(r"Deployment '([^']+)' successfully", deploying.result())))
     print(f"   {len(deployed)} deployments: {', '.join(deployed)}")
-
-    print("== starting a process worker for the pool", flush=True)
-    worker = run([python, "-m", "deployments.setup", *state, "--worker", "start"], env, "worker")
-    print(f"   {worker.strip()}")
+    print(f"   {starting.result().strip()}")
     prefect_url = environment.client_env["PREFECT_API_URL"].removesuffix("/api")
     return Ready(environment, env, prefect, prefect_url)
 

@@ -23,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -338,6 +339,21 @@ def start(service: Service, timeout: float = START_TIMEOUT_S) -> str:
     return f"started (pid {process.pid})"
 
 
+def start_together(chosen: list[Service]) -> list[str]:
+    """Start the services side by side (none waits on another: the slowest sets the time, not
+    their sum) and return what each start said, in order. If one fails, those this call
+    started are stopped again, so nothing is left half up, and its ServiceError is raised."""
+    with ThreadPoolExecutor(len(chosen)) as pool:
+        futures = [pool.submit(start, service) for service in chosen]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for service, future in reversed(list(zip(chosen, futures, strict=True))):
+            if future.exception() is None and future.result().startswith("started"):
+                stop(service)
+        raise failed[0]
+    return [future.result() for future in futures]
+
+
 def _wait_ready(service: Service, process: subprocess.Popen | None, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -450,18 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("mlflow", path=str(Path(sys.executable).parent)) is None:
         print("mlflow is not installed in this environment; run `make install`", file=sys.stderr)
         return 2
-    started: list[Service] = []  # by this call, so a failure leaves nothing half up
     try:
-        for service in chosen:
-            outcome = start(service)
-            print(f"{service.name:8} {service.url:28} {outcome}", flush=True)
-            if outcome.startswith("started"):
-                started.append(service)
+        outcomes = start_together(chosen)
     except ServiceError as error:
         print(f"error: {error}", file=sys.stderr)
-        for service in reversed(started):
-            stop(service)
         return 1
+    for service, outcome in zip(chosen, outcomes, strict=True):
+        print(f"{service.name:8} {service.url:28} {outcome}", flush=True)
     return 0
 
 

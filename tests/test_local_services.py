@@ -79,7 +79,8 @@ def test_a_port_taken_by_someone_else_is_a_clear_error(tmp_path):
         taken = squatter.getsockname()[1]
         free, spare = ports.free_ports(2)
         result = _cli(tmp_path, "up", ports=(free, taken, spare))
-    # prefect was started by this call, then stopped again: nothing half up.
+    # prefect and the receiver were started beside it by this call, then stopped again:
+    # nothing half up.
     assert result.returncode == 1
     assert f"port {taken}" in result.stderr and "mlflow" in result.stderr
     assert not list((tmp_path / "pids").glob("*.json"))

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,10 +97,9 @@ def temporary_stack(ray_num_cpus: int, prefix: str = "rlt-") -> Iterator[Stack]:
         for s in services
     ]
     try:
-        with ThreadPoolExecutor(len(services)) as pool:
-            for outcome in pool.map(local.start, services):
-                if not outcome.startswith("started"):
-                    raise RuntimeError(outcome)
+        for outcome in local.start_together(services):
+            if not outcome.startswith("started"):
+                raise RuntimeError(outcome)
         by_name = {s.name: s for s in services}
         ray_service = by_name["ray"]
         yield Stack(

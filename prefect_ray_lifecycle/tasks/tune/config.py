@@ -182,7 +182,11 @@ class SweepConfig(BaseModel):
         default=1, ge=0, description="Times a failed trial is retried before the sweep fails."
     )
     seed: int = Field(
-        default=0, ge=0, description="Seeds every trial's envs and the held-out evaluation."
+        default=0,
+        ge=0,
+        description=(
+            "Seeds the search space's sampling, every trial's envs and the held-out evaluation."
+        ),
     )
     metric: str = Field(
         default=rllib.RETURN_METRIC, description="Result key that ranks trials (higher is better)."

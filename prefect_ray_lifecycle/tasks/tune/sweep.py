@@ -150,6 +150,7 @@ def _as_tune_stopper(stopper: SweepStopper):
 def _tuner(sweep: SweepConfig, param_space: dict[str, Any], path: str):
     from ray import tune
     from ray.tune.schedulers import FIFOScheduler
+    from ray.tune.search.basic_variant import BasicVariantGenerator
 
     if tune.Tuner.can_restore(path):
         return tune.Tuner.restore(
@@ -169,6 +170,9 @@ def _tuner(sweep: SweepConfig, param_space: dict[str, Any], path: str):
             max_concurrent_trials=sweep.max_concurrent_trials,
             scheduler=scheduler,
             time_budget_s=sweep.stop.sweep_seconds,
+            # The search space is sampled from the sweep's seed too: the same sweep draws the
+            # same trials (Tune's default generator draws from unseeded numpy).
+            search_alg=BasicVariantGenerator(random_state=sweep.seed),
         ),
         run_config=tune.RunConfig(
             name=name,
