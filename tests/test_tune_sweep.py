@@ -315,16 +315,9 @@ def test_preflight_rejects_a_trial_the_cluster_cannot_host_before_any_trial_star
 def test_two_trial_sweep_finishes_and_its_checkpoint_loads_and_acts(
     stack, tmp_path, prefect_client
 ):
+    space = {"lr": {"loguniform": [1e-4, 1e-3]}, "minibatch_size": {"choice": [64, 128]}}
     result = tune_sweep(
-        sweep=tiny(
-            num_samples=2,
-            seed=7,
-            scheduler={"kind": "asha"},
-            search_space={
-                "lr": {"loguniform": [1e-4, 1e-3]},
-                "minibatch_size": {"choice": [64, 128]},
-            },
-        ),
+        sweep=tiny(num_samples=2, seed=7, scheduler={"kind": "asha"}, search_space=space),
         ray_cluster=stack.ray_cluster(),
         storage_root=str(tmp_path),
         evaluation_episodes=3,
@@ -399,6 +392,28 @@ def test_two_trial_sweep_finishes_and_its_checkpoint_loads_and_acts(
     assert chart_md.type == "markdown"
     embedded = re.search(r"!\[[^]]*\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", chart_md.data)
     assert embedded and base64.b64decode(embedded.group(1)) == png
+
+    # The same seed draws the same trials: a second sweep with it (one iteration each) runs
+    # the configs the first one ran, trial by trial.
+    again = tune_sweep(
+        sweep=tiny(
+            num_samples=2,
+            seed=7,
+            search_space=space,
+            stop={**TINY["stop"], "training_iterations": 1},
+        ),
+        ray_cluster=stack.ray_cluster(),
+        storage_root=str(tmp_path),
+        evaluation_episodes=1,
+    )
+
+    def drawn(sweep) -> dict:
+        return {
+            t.trial_id.rsplit("_", 1)[1]: (t.config["lr"], t.config["minibatch_size"])
+            for t in sweep.trials
+        }
+
+    assert drawn(again) == drawn(result)
 
 
 # Measured (2026-12-03, CartPole, 5 greedy held-out episodes on the sweep's seeds): PPO
