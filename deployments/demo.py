@@ -177,11 +177,12 @@ def prepare(state_dir: Path) -> Ready | None:
     env = {**os.environ}
     python = sys.executable
     prefect = str(Path(python).parent / "prefect")
-    state = ["--state-dir", str(state_dir)]
-
+    # deployments.setup's steps run in this process (what `python -m deployments.setup` runs,
+    # without a second interpreter importing Prefect and MLflow again: about 2 s here).
     print("\n== setting up the environment (python -m deployments.setup)", flush=True)
-    for line in run([python, "-m", "deployments.setup", *state], env, "setup").splitlines():
-        print(f"   {line}")
+    with setup.prefect_api(environment.client_env["PREFECT_API_URL"]):
+        for line in setup.prepare(environment):
+            print(f"   {line}", flush=True)
 
     # The worker needs only the pool (set up above), not the deployments: both start at once.
     print(
@@ -194,7 +195,7 @@ def prepare(state_dir: Path) -> Ready | None:
             run, [prefect, "--no-prompt", "deploy", "--all"], env, "prefect deploy"
         )
         starting = pool.submit(
-            run, [python, "-m", "deployments.setup", *state, "--worker", "start"], env, "worker"
+            setup.start_worker, state_dir, environment.client_env, environment.work_pool
         )
     deployed = sorted(set(re.findall(r"Deployment '([^']+)' successfully", deploying.result())))
     print(f"   {len(deployed)} deployments: {', '.join(deployed)}")

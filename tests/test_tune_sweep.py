@@ -9,6 +9,8 @@ import math
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from pydantic import ValidationError
 
 from deployments.testing.watch import wait_for
 from deployments.worker_node import alive_actors
+from prefect_ray_lifecycle.flows.pipeline import DEFAULT_SWEEP
 from prefect_ray_lifecycle.flows.tune_sweep import tune_sweep
 from prefect_ray_lifecycle.tasks.tune.chart import EARLY_LABEL, STOPPED_EARLY, draw_sweep
 from prefect_ray_lifecycle.tasks.tune.config import SweepConfig
@@ -82,6 +85,24 @@ def test_search_space_spec_becomes_tune_domains():
 def test_a_bad_search_space_spec_names_the_key(spec, message):
     with pytest.raises(ValueError, match=message):
         rllib.parse_search_space(spec)
+
+
+def test_train_and_ships_default_sweep_passes_the_check_it_was_built_without():
+    # DEFAULT_SWEEP skips SweepConfig's check at import (the check imports RLlib): run it here,
+    # and see that importing the pipeline no longer imports RLlib.
+    assert SweepConfig.model_validate(DEFAULT_SWEEP.model_dump()) == DEFAULT_SWEEP
+    imported = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, prefect_ray_lifecycle.flows.pipeline; "
+            "print(*(name for name in sys.modules if name.startswith('ray.rllib')))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert imported == [], imported[:5]
 
 
 def test_the_flow_rejects_a_bad_spec_before_any_ray_work(prefect_api, tmp_path):
@@ -566,7 +587,10 @@ def test_a_killed_flow_run_resumes_its_sweep_without_redoing_finished_trials(
     first = _start_flow_run(stack, flow_run.id, parameters, tmp_path)
     try:
         deadline = time.monotonic() + 240
-        while "TERMINATED" not in _recorded_statuses(experiment).values():
+        while "TERMINATED" not in (statuses := _recorded_statuses(experiment)).values():
+            # max_concurrent_trials=1: one trial at a time (Tune ignored it once, when the
+            # sweep's seeded search generator came without it, and ran all three at once).
+            assert list(statuses.values()).count("RUNNING") <= 1, statuses
             assert first.poll() is None, first.communicate()[0][-3000:]
             assert time.monotonic() < deadline, "no trial finished in time"
             time.sleep(0.5)

@@ -48,7 +48,10 @@ from prefect_ray_lifecycle.workloads.constants import VERSION_HEADER
 
 # Two PPO trials on 2 CPUs, each stopped at a training return of 450: held-out greedy returns
 # of 490-500 in about a minute (make demo's measurements); a sweep never runs past 10 minutes.
-DEFAULT_SWEEP = SweepConfig(
+# Built without SweepConfig's check, which imports RLlib and torch to read PPO's config fields
+# (1.6 s in every process that imports this module: `prefect deploy --all`, the LLM
+# pipeline's flow runs); test_tune_sweep runs the check.
+DEFAULT_SWEEP = SweepConfig.model_construct(
     num_samples=2,
     max_concurrent_trials=2,
     stop=StopConditions(episode_return=450.0, sweep_seconds=600),

@@ -73,14 +73,15 @@ def _tuner(plan: FineTunePlan, sweep: LLMSweepSettings, datasets: dict, concurre
             metric=CHECKPOINT_METRIC,
             mode="min",
             num_samples=sweep.num_samples,
-            max_concurrent_trials=concurrency,
             scheduler=AsyncHyperBandScheduler(
                 time_attr="step",
                 max_t=plan.spec.training.total_steps,
                 grace_period=min(sweep.grace_period_steps, plan.spec.training.total_steps),
                 reduction_factor=sweep.reduction_factor,
             ),
-            search_alg=BasicVariantGenerator(random_state=sweep.seed),
+            # The limit goes to the generator: Tune ignores TuneConfig's max_concurrent_trials
+            # once a search_alg of this kind is given.
+            search_alg=BasicVariantGenerator(random_state=sweep.seed, max_concurrent=concurrency),
         ),
         run_config=tune.RunConfig(name=SWEEP_NAME, storage_path=plan.storage_path, verbose=0),
     )

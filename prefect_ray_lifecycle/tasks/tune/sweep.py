@@ -167,12 +167,15 @@ def _tuner(sweep: SweepConfig, param_space: dict[str, Any], path: str):
             metric=sweep.metric,
             mode="max",
             num_samples=sweep.num_samples,
-            max_concurrent_trials=sweep.max_concurrent_trials,
             scheduler=scheduler,
             time_budget_s=sweep.stop.sweep_seconds,
             # The search space is sampled from the sweep's seed too: the same sweep draws the
-            # same trials (Tune's default generator draws from unseeded numpy).
-            search_alg=BasicVariantGenerator(random_state=sweep.seed),
+            # same trials (Tune's default generator draws from unseeded numpy). The generator
+            # holds the concurrency limit: Tune ignores TuneConfig's max_concurrent_trials
+            # (with a warning) once a search_alg of this kind is given.
+            search_alg=BasicVariantGenerator(
+                random_state=sweep.seed, max_concurrent=sweep.max_concurrent_trials or 0
+            ),
         ),
         run_config=tune.RunConfig(
             name=name,
