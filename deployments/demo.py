@@ -148,18 +148,21 @@ class Ready:
     """The local services up, every flow deployed and a worker on the pool."""
 
     environment: Any  # deployments.setup's LocalEnvironment
-    env: dict[str, str]
-    prefect: str
     prefect_url: str
 
     def run_deployment(self, deployment: str, params: dict) -> tuple[str, str]:
-        """`prefect deployment run` with `params`: the flow run's id and its UI URL."""
-        out = run(
-            [self.prefect, "deployment", "run", deployment, "--params", json.dumps(params)],
-            self.env,
-            "prefect deployment run",
-        )
-        flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+        """What `prefect deployment run <deployment> --params <params>` does (printed, for the
+        user to run again), through Prefect's own `run_deployment` in this process, which has
+        Prefect imported already: the command's interpreter took 3.7 s here before it sent
+        anything. Returns the flow run's id and its UI URL."""
+        from prefect.deployments import run_deployment
+
+        from deployments import setup
+
+        print(f"   prefect deployment run {deployment} --params '{json.dumps(params)}'")
+        with setup.prefect_api(self.environment.client_env["PREFECT_API_URL"]):
+            flow_run = run_deployment(deployment, parameters=params, timeout=0)
+        flow_run_id = str(flow_run.id)
         flow_run_url = f"{self.prefect_url}/runs/flow-run/{flow_run_id}"
         print(f"   flow run {flow_run_url}")
         return flow_run_id, flow_run_url
@@ -201,7 +204,7 @@ def prepare(state_dir: Path) -> Ready | None:
     print(f"   {len(deployed)} deployments: {', '.join(deployed)}")
     print(f"   {starting.result().strip()}")
     prefect_url = environment.client_env["PREFECT_API_URL"].removesuffix("/api")
-    return Ready(environment, env, prefect, prefect_url)
+    return Ready(environment, prefect_url)
 
 
 def main(argv: list[str] | None = None) -> int:

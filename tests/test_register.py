@@ -224,6 +224,35 @@ def test_champion_loads_in_a_fresh_process_without_ray_and_acts_like_its_module(
     assert json.loads(result.stdout.strip().splitlines()[-1]) == greedy
 
 
+def test_a_replica_loads_its_version_from_mlflow_and_leaves_no_copy_behind(
+    checkpoints, server, model_name, stack, tmp_path, monkeypatch
+):
+    """What each policy replica does at start (and the router, hosting the version): download
+    the version from MLflow, load it, act. The download goes once loaded: every replica start
+    used to leave its copy in the temp folder."""
+    import tempfile
+
+    import numpy as np
+
+    from prefect_ray_lifecycle.workloads.rl.rllib import load_policy
+    from prefect_ray_lifecycle.workloads.serve.policy import ModelSpec, PolicyCore
+
+    register_and_promote(request(model_name, checkpoints["good"], "t1"), server)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    core = PolicyCore(ModelSpec(model_name, "1", stack.mlflow_uri))
+    assert list(temp.iterdir()) == []
+    observations = (
+        np.random.default_rng(0)
+        .uniform([-2.4, -2, -0.2, -2], [2.4, 2, 0.2, 2], (64, 4))
+        .astype("float32")
+    )
+    expected = PolicyCore(core.spec, module=load_policy(checkpoints["good"])).act(observations)
+    assert set(expected.tolist()) == {0, 1}  # both actions occur, so the comparison can fail
+    assert core.act(observations).tolist() == expected.tolist()
+
+
 def test_bad_inputs_register_nothing(checkpoints, server, model_name, stack, tmp_path):
     corrupt = shutil.copytree(checkpoints["good"], tmp_path / "corrupt")
     (module_path(corrupt) / "module_state.pkl").write_bytes(b"not a pickle")

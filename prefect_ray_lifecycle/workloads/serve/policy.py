@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,10 +77,9 @@ class ModelSpec:
         }
 
 
-def download_policy(spec: ModelSpec, target: str | Path | None = None) -> Path:
-    """Download the version's pyfunc model folder; return its RLModule checkpoint folder."""
-    import tempfile
-
+def download_policy(spec: ModelSpec, target: str | Path) -> Path:
+    """Download the version's pyfunc model folder into `target`; return its RLModule
+    checkpoint folder."""
     from mlflow import MlflowClient
     from mlflow.artifacts import download_artifacts
 
@@ -89,10 +89,9 @@ def download_policy(spec: ModelSpec, target: str | Path | None = None) -> Path:
     version = client.get_model_version(spec.name, spec.version)
     if version.status != "READY":
         raise RuntimeError(f"{spec.name} v{spec.version} is {version.status}, not READY")
-    folder = Path(target or tempfile.mkdtemp(prefix=f"policy-{spec.name}-{spec.version}-"))
     local = Path(
         download_artifacts(
-            artifact_uri=version.source, dst_path=str(folder), tracking_uri=spec.tracking_uri
+            artifact_uri=version.source, dst_path=str(target), tracking_uri=spec.tracking_uri
         )
     )
     checkpoint = local / "artifacts" / ARTIFACT_KEY
@@ -113,7 +112,12 @@ class PolicyCore:
         self.spec = spec
         self.version = spec.version
         self.max_body_bytes = max_body_bytes
-        self.module = module if module is not None else load_policy(download_policy(spec))
+        if module is None:
+            # Loaded into memory, then the download goes: every replica start (and restart)
+            # left its copy of the model in the temp folder (about 130 a full test run).
+            with tempfile.TemporaryDirectory(prefix=f"policy-{spec.name}-{spec.version}-") as tmp:
+                module = load_policy(download_policy(spec, tmp))
+        self.module = module
         space = self.module.observation_space
         self.obs_shape = tuple(int(n) for n in space.shape)
         self.obs_size = int(np.prod(self.obs_shape))
