@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -114,7 +115,21 @@ def test_an_mlflow_llm_version_is_a_base(stack, tiny_base, source, tmp_path, mon
     assert plan.spec.base == base and plan.spec.layout == "prompt_completion"
     assert plan.required_columns == ["completion", "id", "prompt"]
     assert plan.experiment_path == str(tmp_path / "runs" / "run-1" / "finetune")
-    assert (local_model(base) / "config.json").is_file()
+    first = local_model(base)
+    assert (first / "config.json").is_file()
+    # The name deleted and registered again: its version 1 is another model now, and a node
+    # that fetched the first one must not serve that copy for it.
+    client.delete_registered_model(name)
+    other = shutil.copytree(tiny_base, tmp_path / "other")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "note": "registered again"}))
+    again = client.create_run(run.info.experiment_id)
+    client.log_artifacts(again.info.run_id, str(other), artifact_path="hf")
+    client.create_registered_model(name)
+    client.create_model_version(name, f"{again.info.artifact_uri}/hf", run_id=again.info.run_id)
+    second = local_model(base)
+    assert json.loads((second / "config.json").read_text()).get("note") == "registered again"
+    assert "note" not in json.loads((first / "config.json").read_text())
     with pytest.raises(FineTuneInputError, match=r"training.seq_len: 4096 tokens is over"):
         plan_finetune.fn(
             str(source),

@@ -77,8 +77,12 @@ def download_from_mlflow(source: MLflowModelSource) -> Path:
     else:
         version = client.get_model_version_by_alias(source.model_name, source.version)
     folder = re.sub(r"[^A-Za-z0-9._-]", "_", source.model_name)
+    # Keyed by where the version's files are, not by its number alone: a name deleted and
+    # registered again starts at version 1 anew, and another MLflow server has its own
+    # version 1 of the same name; either served the first copy this node had fetched.
+    where = hashlib.sha1(f"{source.tracking_uri}\n{version.source}".encode()).hexdigest()[:12]
     target = _fetch_once(
-        model_cache_dir() / folder / version.version,
+        model_cache_dir() / folder / f"{version.version}-{where}",
         lambda partial: download_artifacts(
             artifact_uri=version.source, dst_path=str(partial), tracking_uri=source.tracking_uri
         ),
