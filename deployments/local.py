@@ -58,11 +58,18 @@ SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S",
 # reports to its node's agent, which exports for Prometheus) are not scraped by anything the
 # local stack runs; Serve's controller checks its deployments 10 times a second by default,
 # and 4 are enough here (a replica's start or death is seen within 0.25 s; health checks keep
-# their own period). Every node this tooling starts (a head, a second node) gets all three.
+# their own period). Ray starts its workers at niceness 15 (RAY_worker_niceness): on a small
+# machine shared with Prefect, MLflow and the flow processes at 0, the work itself (replicas,
+# routers, trials, Train workers) then got about 1/30 of a busy CPU while the harness polled
+# for it: test_llm_finetune and test_rollout side by side on 2 cores took 1,190 s (the
+# fine-tune's setup 787 s, 319 s alone), 766 s with the workers at 0 (setup 517 s), every
+# test_rollout test shorter too. Here they run at the niceness of what started the node.
+# Every node this tooling starts (a head, a second node) gets all of these.
 NODE_ENV_DEFAULTS = (
     (SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN),
     ("RAY_enable_metrics_collection", "0"),
     ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.25"),
+    ("RAY_worker_niceness", "0"),
 )
 # Ray code in a node's workers that looks its own cluster up (the state API: Ray Train V2's
 # PlacementGroupCleaner asks it whether a Train controller is alive) finds every GCS on the

@@ -321,6 +321,21 @@ def test_a_heads_workers_look_up_their_own_cluster(stack):
     assert address == stack.ray_address and nodes >= 1
 
 
+def test_a_local_heads_workers_run_at_the_priority_of_what_started_it(stack):
+    """Ray starts its workers at niceness 15 by default (RAY_worker_niceness): on a small
+    machine shared with the Prefect server, MLflow and the flow processes at 0, the work itself
+    (replicas, routers, trials, Train workers) then got about 1/30 of a busy CPU. A local head
+    starts them at the niceness of the process that started it."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    with stack.ray_cluster().connect():
+        assert ray.get(niceness.remote(), timeout=120) == os.nice(0)
+
+
 def test_placement_groups_a_sweep_left_are_removed_and_no_others(stack):
     """After a sweep, what Ray did not remove of the groups its job made meanwhile is removed
     (a trial's worker group Ray Train's cleaner missed); a group made before it, or by
