@@ -227,6 +227,10 @@ def test_first_rollout_by_alias_then_a_good_candidate_swaps_with_zero_failed_req
     first = rollout(serving, None)  # no version: the one `champion` names
     assert first.outcome == "first_rollout" and first.version == "1"
     assert live_version(serving) == "1"
+    # Nothing was live: health is every replica RUNNING and probed twice, no stability window.
+    health = first.timeline[0]
+    assert health["stage"] == "health" and health["figures"]["checks"] == 2, health
+    assert health["detail"] == "1 replica(s) RUNNING and healthy (2 probes)"
     with load(serving) as traffic:
         time.sleep(1)
         result = serve_rollout(  # its state: the run's id, to read its artifact
@@ -249,6 +253,8 @@ def test_first_rollout_by_alias_then_a_good_candidate_swaps_with_zero_failed_req
     assert traffic.answers[-1].version == "2"
     stages = [e["stage"] for e in promoted.timeline]
     assert stages == ["health", "smoke", "canary 30%", "swap", "bake", "retire"]
+    # With v1 live, v2's replicas were held for the stability window.
+    assert promoted.timeline[0]["detail"] == "1 replica(s) healthy for 3 s"
     # After the bake the router hosts v2 in process, holds no rollout, and v1's app is gone.
     status = router_status(serving)
     assert status["inline_version"] == "2" and status["config"]["live"]["version"] == "2"

@@ -296,7 +296,9 @@ def wait_stable(
                 return HealthReport(
                     True,
                     now - started,
-                    f"{len(replicas)} replica(s) healthy for {window_s:g} s",
+                    f"{len(replicas)} replica(s) healthy for {window_s:g} s"
+                    if window_s
+                    else f"{len(replicas)} replica(s) RUNNING and healthy ({checks} probes)",
                     len(replicas),
                     checks,
                     timeline,

@@ -142,7 +142,9 @@ def _roll_out(rollout: Rollout, drill: Drill) -> RolloutResult:
         r.add(
             "health",
             "passed",
-            deploy_candidate(r.app_config, candidate, r.health_period_s, r.gates),
+            deploy_candidate(
+                r.app_config, candidate, r.health_period_s, r.gates, first=live is None
+            ),
         )
         r.add("smoke", "passed", smoke(candidate, r.gates))
         if live is None:

@@ -112,13 +112,24 @@ class BakeResult(StageResult):
 
 @rollout_stage
 def deploy_candidate(
-    config: dict[str, Any], target: Target, health_period_s: float, gates: Gates
+    config: dict[str, Any],
+    target: Target,
+    health_period_s: float,
+    gates: Gates,
+    *,
+    first: bool = False,
 ) -> HealthResult:
-    """Gate 1: deploy the version's app; RUNNING, every replica healthy, and staying so."""
+    """Gate 1: deploy the version's app; RUNNING, every replica healthy, and staying so.
+
+    A `first` rollout (nothing serves the route yet) needs no stability window: every replica
+    RUNNING and answering its health probe twice, 0.5 s apart, and the smoke gate after it;
+    there is no live version whose users a flapping candidate could take, so the window would
+    only keep the route dark longer (Argo Rollouts and Flagger skip their analysis on a first
+    deploy too). Every later rollout holds the window."""
     app = target.app
     serve_control.apply({app: config})
     # The window spans at least three of Serve's health checks: one look is not health.
-    window_s = max(gates.stability_window_s, 3 * health_period_s)
+    window_s = 0.0 if first else max(gates.stability_window_s, 3 * health_period_s)
     report = serve_control.wait_stable(
         app, target.deployment, timeout_s=gates.health_timeout_s, window_s=window_s, probe=True
     )
