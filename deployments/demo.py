@@ -1,10 +1,11 @@
 """`make demo`: the whole lifecycle the way a user runs it, on local services.
 
 Starts (or reuses) a Prefect server, an MLflow server and a Ray head; sets the environment up
-(blocks, process work pool, rollout concurrency limit: deployments.setup); deploys every flow
-(`prefect --no-prompt deploy --all`); starts (or reuses) a process worker; runs
-`train-and-ship` through its deployment (sweep -> evaluate -> register -> promote ->
-rollout); sends a few requests to the served policy; and prints where to look.
+(blocks, process work pool, rollout concurrency limit: deployments.setup); deploys
+`train-and-ship` and starts (or reuses) a process worker; runs `train-and-ship` through its
+deployment (sweep -> evaluate -> register -> promote -> rollout) while every other flow in
+prefect.yaml is deployed beside it (what `prefect --no-prompt deploy --all` does, in two
+steps); sends a few requests to the served policy; and prints where to look.
 
 A second `make demo` reuses all of it and trains a new challenger: it is promoted, and rolled
 out through the canary gates, only if it beats the champion; otherwise the champion keeps
@@ -22,7 +23,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,10 +146,17 @@ def chart_urls(mlflow_url: str, model_name: str, version: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Ready:
-    """The local services up, every flow deployed and a worker on the pool."""
+    """The local services up, the demo's deployment made and a worker on the pool; every other
+    flow of prefect.yaml is being deployed (`others_deployed` waits for them)."""
 
     environment: Any  # deployments.setup's LocalEnvironment
     prefect_url: str
+    deploying_others: Future
+
+    def others_deployed(self) -> None:
+        """Wait for the other deployments (SystemExit when `prefect deploy` failed)."""
+        deployed = deployed_names(self.deploying_others.result())
+        print(f"   meanwhile {len(deployed)} more deployments: {', '.join(deployed)}")
 
     def run_deployment(self, deployment: str, params: dict) -> tuple[str, str]:
         """What `prefect deployment run <deployment> --params <params>` does (printed, for the
@@ -168,9 +176,24 @@ class Ready:
         return flow_run_id, flow_run_url
 
 
-def prepare(state_dir: Path) -> Ready | None:
-    """Start (or reuse) the services and a Ray head, set the environment up, deploy every flow
-    and start (or reuse) a process worker; None when the services did not start."""
+def deployment_names() -> list[str]:
+    """The deployments prefect.yaml defines, in its order."""
+    import yaml
+
+    with (PROJECT_ROOT / "prefect.yaml").open() as f:
+        return [d["name"] for d in yaml.safe_load(f)["deployments"]]
+
+
+def deployed_names(output: str) -> list[str]:
+    """The deployments `prefect deploy` says it made."""
+    return sorted(set(re.findall(r"Deployment '([^']+)' successfully", output)))
+
+
+def prepare(state_dir: Path, deployment: str) -> Ready | None:
+    """Start (or reuse) the services and a Ray head, set the environment up, deploy
+    `deployment` ("flow/name") and start (or reuse) a process worker, then deploy every other
+    flow of prefect.yaml in the background: the run need not wait for the 10 flows it does not
+    use (about 10 s here, the imports of every flow). None when the services did not start."""
     if local.main(["up", "--ray", "--state-dir", str(state_dir)]) != 0:
         return None
     from deployments import setup
@@ -188,23 +211,35 @@ def prepare(state_dir: Path) -> Ready | None:
             print(f"   {line}", flush=True)
 
     # The worker needs only the pool (set up above), not the deployments: both start at once.
+    name = deployment.split("/")[-1]
+    others = [other for other in deployment_names() if other != name]
     print(
-        "== deploying every flow (prefect --no-prompt deploy --all) and starting a process "
-        "worker for the pool",
+        f"== deploying {name} (prefect --no-prompt deploy --name {name}) and starting a "
+        "process worker for the pool",
         flush=True,
     )
     with ThreadPoolExecutor(2) as pool:
         deploying = pool.submit(
-            run, [prefect, "--no-prompt", "deploy", "--all"], env, "prefect deploy"
+            run, [prefect, "--no-prompt", "deploy", "--name", name], env, "prefect deploy"
         )
         starting = pool.submit(
             setup.start_worker, state_dir, environment.client_env, environment.work_pool
         )
-    deployed = sorted(set(re.findall(r"Deployment '([^']+)' successfully", deploying.result())))
-    print(f"   {len(deployed)} deployments: {', '.join(deployed)}")
+    print(f"   deployed: {', '.join(deployed_names(deploying.result()))}")
     print(f"   {starting.result().strip()}")
+    print(
+        f"   the other {len(others)} flows deploy meanwhile (together: prefect --no-prompt "
+        "deploy --all)",
+        flush=True,
+    )
+    background = ThreadPoolExecutor(1)
+    names = [arg for other in others for arg in ("--name", other)]
+    deploying_others = background.submit(
+        run, [prefect, "--no-prompt", "deploy", *names], env, "prefect deploy"
+    )
+    background.shutdown(wait=False)
     prefect_url = environment.client_env["PREFECT_API_URL"].removesuffix("/api")
-    return Ready(environment, prefect_url)
+    return Ready(environment, prefect_url, deploying_others)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         help="folder for the local services' state (default: .local/)",
     )
     state_dir = parser.parse_args(argv).state_dir.resolve()
-    ready = prepare(state_dir)
+    ready = prepare(state_dir, DEPLOYMENT)
     if ready is None:
         return 1
     from deployments import setup
@@ -242,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     with get_client(sync_client=True) as client:
         final = watch(client, flow_run_id, RUN_TIMEOUT_S)
         outcome = summary_of(client, flow_run_id)
+    ready.others_deployed()
     if traffic is not None:
         print(f"   answers during the run: {traffic.report()}")
     if not final.state.is_completed():

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deployments.demo_llm", description=__doc__)
     parser.add_argument("--state-dir", type=Path, default=local.DEFAULT_STATE_DIR)
     state_dir = parser.parse_args(argv).state_dir.resolve()
-    ready = prepare(state_dir)
+    ready = prepare(state_dir, DEPLOYMENT)
     if ready is None:
         return 1
     from prefect_ray_lifecycle.workloads.llm import corpus
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with get_client(sync_client=True) as client:
         final = watch(client, flow_run_id, RUN_TIMEOUT_S)
+    ready.others_deployed()
     if not final.state.is_completed():
         print(f"{DEPLOYMENT} ended {final.state.name}: {final.state.message}", file=sys.stderr)
         return 1
