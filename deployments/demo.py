@@ -218,13 +218,16 @@ def prepare(state_dir: Path, deployment: str) -> Ready | None:
         "process worker for the pool",
         flush=True,
     )
-    with ThreadPoolExecutor(2) as pool:
-        deploying = pool.submit(
-            run, [prefect, "--no-prompt", "deploy", "--name", name], env, "prefect deploy"
-        )
-        starting = pool.submit(
-            setup.start_worker, state_dir, environment.client_env, environment.work_pool
-        )
+
+    def deploy(names: list[str]):
+        argv = [prefect, "--no-prompt", "deploy", *(a for n in names for a in ("--name", n))]
+        return pool.submit(run, argv, env, "prefect deploy")
+
+    pool = ThreadPoolExecutor(2)
+    deploying = deploy([name])
+    starting = pool.submit(
+        setup.start_worker, state_dir, environment.client_env, environment.work_pool
+    )
     print(f"   deployed: {', '.join(deployed_names(deploying.result()))}")
     print(f"   {starting.result().strip()}")
     print(
@@ -232,12 +235,8 @@ def prepare(state_dir: Path, deployment: str) -> Ready | None:
         "deploy --all)",
         flush=True,
     )
-    background = ThreadPoolExecutor(1)
-    names = [arg for other in others for arg in ("--name", other)]
-    deploying_others = background.submit(
-        run, [prefect, "--no-prompt", "deploy", *names], env, "prefect deploy"
-    )
-    background.shutdown(wait=False)
+    deploying_others = deploy(others)
+    pool.shutdown(wait=False)  # the pool's thread ends with that deploy
     prefect_url = environment.client_env["PREFECT_API_URL"].removesuffix("/api")
     return Ready(environment, prefect_url, deploying_others)
 

@@ -59,12 +59,10 @@ SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S",
 # local stack runs; Serve's controller checks its deployments 10 times a second by default,
 # and 4 are enough here (a replica's start or death is seen within 0.25 s; health checks keep
 # their own period). Ray starts its workers at niceness 15 (RAY_worker_niceness): on a small
-# machine shared with Prefect, MLflow and the flow processes at 0, the work itself (replicas,
-# routers, trials, Train workers) then got about 1/30 of a busy CPU while the harness polled
-# for it. test_llm_finetune and test_rollout side by side on 2 cores: 1,190 s at 15, then
-# 766 s at 0, but the machine sped up between the two; a second round in a fast phase: 437 s
-# and 438 s (the fine-tune's setup 220 s and 197 s). What it changes shows where the CPUs are
-# saturated. Here workers run at the niceness of what started the node.
+# machine shared with Prefect, MLflow and the flow processes at 0, the work under test
+# (replicas, routers, trials, Train workers) then starves behind the harness that polls for
+# it wherever the CPUs are saturated (docs/testing.md has the measurements). Here workers run
+# at the niceness of what started the node.
 # Every node this tooling starts (a head, a second node) gets all of these.
 NODE_ENV_DEFAULTS = (
     (SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN),
