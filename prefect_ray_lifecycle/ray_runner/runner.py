@@ -23,6 +23,7 @@ from prefect.context import FlowRunContext, SettingsContext
 from prefect.exceptions import ObjectNotFound
 from prefect.futures import PrefectFuture
 from prefect.logging.loggers import get_logger, get_run_logger
+from prefect.results import ResultRecord
 from prefect.tasks import Task
 from prefect.utilities.engine import collect_task_run_inputs_sync
 from prefect.utilities.importtools import lazy_import
@@ -277,6 +278,12 @@ class CrashRecordingRayFuture(RayFuture):
     def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
         if self.final_state is None:
             self.wait(timeout)
+        state = self.final_state
+        if state is not None and state.is_completed() and isinstance(state.data, ResultRecord):
+            # What State.result returns for a result held in memory, without its hop through
+            # Prefect's event-loop thread (run_coro_as_sync): about a fifth of the flow
+            # process's CPU per task run in a fan-out of quick tasks.
+            return state.data.result
         return super().result(timeout=timeout, raise_on_failure=raise_on_failure)
 
     def _record_crash(self) -> None:
