@@ -218,12 +218,12 @@ def prepare(state_dir: Path, deployment: str) -> Ready | None:
         "process worker for the pool",
         flush=True,
     )
+    pool = ThreadPoolExecutor(2)
 
     def deploy(names: list[str]):
         argv = [prefect, "--no-prompt", "deploy", *(a for n in names for a in ("--name", n))]
         return pool.submit(run, argv, env, "prefect deploy")
 
-    pool = ThreadPoolExecutor(2)
     deploying = deploy([name])
     starting = pool.submit(
         setup.start_worker, state_dir, environment.client_env, environment.work_pool

@@ -9,13 +9,13 @@ train-and-ship's shipping step, run by test_pipeline_deployment.)"""
 
 from __future__ import annotations
 
-import json
 import uuid
 from pathlib import Path
 
 import pytest
 import requests
 from mlflow import MlflowClient
+from tune_results import result_lines
 
 from deployments.testing import drive
 from prefect_ray_lifecycle.blocks import MLflowServer
@@ -113,7 +113,7 @@ def trial_spans(experiment: Path) -> list[tuple[float, float]]:
     """(start, end) of each Tune trial of `experiment`, from the results Tune wrote."""
     spans = []
     for results in sorted(experiment.glob("*/result.json")):
-        reports = [json.loads(line) for line in results.read_text().splitlines() if line]
+        reports = result_lines(results.parent)
         assert reports, f"{results} holds no report"
         start = min(r["timestamp"] - r["time_total_s"] for r in reports)
         spans.append((start, max(r["timestamp"] for r in reports)))

@@ -20,6 +20,7 @@ from chart_checks import png_size, synthetic_chart, synthetic_sweep
 from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
 from prefect.states import Cancelling, Crashed
 from pydantic import ValidationError
+from tune_results import result_lines
 
 from deployments.testing.watch import wait_for
 from deployments.worker_node import alive_actors
@@ -42,10 +43,6 @@ TINY = {
 
 def tiny(**fields) -> SweepConfig:
     return SweepConfig(**{**TINY, **fields})
-
-
-def result_lines(trial_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (trial_dir / "result.json").read_text().splitlines()]
 
 
 # --- pure pieces ---------------------------------------------------------------------------
