@@ -62,13 +62,18 @@ SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S",
 # machine shared with Prefect, MLflow and the flow processes at 0, the work under test
 # (replicas, routers, trials, Train workers) then starves behind the harness that polls for
 # it wherever the CPUs are saturated (docs/testing.md has the measurements). Here workers run
-# at the niceness of what started the node.
+# at the niceness of what started the node. When its first driver connects, a node starts
+# as many workers as it has CPUs for jobs without a runtime env (RAY_JOB_ID ffffffff); every
+# job here has one (the RayCluster block's env_vars), so those workers never ran a task and
+# idled for the node's whole life (2 per head, about 1 CPU-s each to start, 0.45 % of a core
+# each after). Off: a job's workers start with its first tasks, as they did anyway.
 # Every node this tooling starts (a head, a second node) gets all of these.
 NODE_ENV_DEFAULTS = (
     (SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN),
     ("RAY_enable_metrics_collection", "0"),
     ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.25"),
     ("RAY_worker_niceness", "0"),
+    ("RAY_prestart_worker_first_driver", "0"),
 )
 # Ray code in a node's workers that looks its own cluster up (the state API: Ray Train V2's
 # PlacementGroupCleaner asks it whether a Train controller is alive) finds every GCS on the

@@ -336,6 +336,35 @@ def test_a_local_heads_workers_run_at_the_priority_of_what_started_it(stack):
         assert ray.get(niceness.remote(), timeout=120) == os.nice(0)
 
 
+def test_a_local_head_starts_no_workers_for_jobs_that_never_come(stack):
+    """When its first driver connects, a Ray node starts workers for jobs without a runtime
+    env (RAY_JOB_ID ffffffff) by default; every job here has one, so they idled for the head's
+    whole life. A local head starts none: the workers on this machine that belong to the stack's
+    head all carry a real job's id."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def job_id() -> str:
+        return os.environ["RAY_JOB_ID"]
+
+    def head_workers() -> list[bytes]:
+        jobs = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:  # gone meanwhile, or not ours
+                continue
+            if f"RAY_ADDRESS={stack.ray_address}".encode() in environ:
+                jobs += [e for e in environ if e.startswith(b"RAY_JOB_ID=")]
+        return jobs
+
+    with stack.ray_cluster().connect():
+        this_job = ray.get(job_id.remote(), timeout=120)
+        jobs = head_workers()
+    assert f"RAY_JOB_ID={this_job}".encode() in jobs
+    assert b"RAY_JOB_ID=ffffffff" not in jobs
+
+
 def test_placement_groups_a_sweep_left_are_removed_and_no_others(stack):
     """After a sweep, what Ray did not remove of the groups its job made meanwhile is removed
     (a trial's worker group Ray Train's cleaner missed); a group made before it, or by
