@@ -1,6 +1,7 @@
-"""Processes by pid, from /proc: whether one runs, when it started, whether a group lives.
-Used to stop only what was started (`deployments.local`, `deployments.worker_node`) and to
-tell a live port claimant from a dead one (`deployments.ports`)."""
+"""Processes by pid, from /proc: whether one runs, when it started, whether a group lives,
+what environment it started with. Used to stop only what was started (`deployments.local`,
+`deployments.worker_node`), to tell a live port claimant from a dead one (`deployments.ports`),
+and by the tests that check what a Ray worker or replica was started with."""
 
 from __future__ import annotations
 
@@ -36,3 +37,9 @@ def start_time(pid: int) -> str | None:
         return None
     # Field 22 (starttime) counted after the parenthesised command name.
     return stat.rsplit(")", 1)[1].split()[19]
+
+
+def environ(pid: int) -> dict[str, str]:
+    """The environment `pid` started with; OSError when it is gone or not ours to read."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    return dict(item.partition("=")[::2] for item in raw.split("\0") if item)

@@ -368,18 +368,13 @@ def test_the_routers_replicas_run_with_two_malloc_arenas_and_the_version_apps_as
     """The router lives across every rollout: its process (each replica's, read from /proc)
     runs with MALLOC_ARENA_MAX=2, which the soak's memory growth came down by; the version's
     own app, replaced at each rollout, keeps glibc's default."""
-    from pathlib import Path
-
+    from deployments.processes import environ
     from prefect_ray_lifecycle.control import serve_control
     from prefect_ray_lifecycle.workloads.constants import POLICY_DEPLOYMENT, ROUTER_DEPLOYMENT
 
     def environs(app: str, deployment: str) -> list[dict[str, str]]:
         replicas = serve_control.details()["applications"][app]["deployments"][deployment]
-        out = []
-        for replica in replicas["replicas"]:
-            raw = Path(f"/proc/{replica['pid']}/environ").read_bytes().split(b"\0")
-            out.append(dict(item.decode().partition("=")[::2] for item in raw if item))
-        return out
+        return [environ(replica["pid"]) for replica in replicas["replicas"]]
 
     routers = environs(serve_control.router_app_name(ROUTE), ROUTER_DEPLOYMENT)
     assert routers and all(env.get("MALLOC_ARENA_MAX") == "2" for env in routers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -347,22 +348,20 @@ def test_a_local_head_starts_no_workers_for_jobs_that_never_come(stack):
     def job_id() -> str:
         return os.environ["RAY_JOB_ID"]
 
-    def head_workers() -> list[bytes]:
+    def head_worker_jobs() -> list[str]:
         jobs = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:  # gone meanwhile, or not ours
-                continue
-            if f"RAY_ADDRESS={stack.ray_address}".encode() in environ:
-                jobs += [e for e in environ if e.startswith(b"RAY_JOB_ID=")]
+            with contextlib.suppress(OSError):  # gone meanwhile, or not ours
+                env = processes.environ(int(pid))
+                if env.get("RAY_ADDRESS") == stack.ray_address and "RAY_JOB_ID" in env:
+                    jobs.append(env["RAY_JOB_ID"])
         return jobs
 
     with stack.ray_cluster().connect():
         this_job = ray.get(job_id.remote(), timeout=120)
-        jobs = head_workers()
-    assert f"RAY_JOB_ID={this_job}".encode() in jobs
-    assert b"RAY_JOB_ID=ffffffff" not in jobs
+        jobs = head_worker_jobs()
+    assert this_job in jobs
+    assert "ffffffff" not in jobs
 
 
 def test_placement_groups_a_sweep_left_are_removed_and_no_others(stack):
