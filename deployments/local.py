@@ -67,6 +67,11 @@ SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S",
 # job here has one (the RayCluster block's env_vars), so those workers never ran a task and
 # idled for the node's whole life (2 per head, about 1 CPU-s each to start, 0.45 % of a core
 # each after). Off: a job's workers start with its first tasks, as they did anyway.
+# A node starts up to RAY_worker_maximum_startup_concurrency workers at once (its CPUs by
+# default), and while a job's first task waited for its worker Ray started a second one for
+# the same task: every job that ran a task left one worker that never ran anything (about
+# 2 CPU-s each to start; docs/testing.md). Actors were never doubled. At 1, workers start one
+# after another: on a machine of a few cores they compete for the same CPUs anyway.
 # Every node this tooling starts (a head, a second node) gets all of these.
 NODE_ENV_DEFAULTS = (
     (SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN),
@@ -74,6 +79,7 @@ NODE_ENV_DEFAULTS = (
     ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.25"),
     ("RAY_worker_niceness", "0"),
     ("RAY_prestart_worker_first_driver", "0"),
+    ("RAY_worker_maximum_startup_concurrency", "1"),
 )
 # Ray code in a node's workers that looks its own cluster up (the state API: Ray Train V2's
 # PlacementGroupCleaner asks it whether a Train controller is alive) finds every GCS on the
