@@ -66,12 +66,11 @@ SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S",
 # as many workers as it has CPUs for jobs without a runtime env (RAY_JOB_ID ffffffff); every
 # job here has one (the RayCluster block's env_vars), so those workers never ran a task and
 # idled for the node's whole life (2 per head, about 1 CPU-s each to start, 0.45 % of a core
-# each after). Off: a job's workers start with its first tasks, as they did anyway.
-# A node starts up to RAY_worker_maximum_startup_concurrency workers at once (its CPUs by
-# default), and while a job's first task waited for its worker Ray started a second one for
-# the same task: every job that ran a task left one worker that never ran anything (about
-# 2 CPU-s each to start; docs/testing.md). Actors were never doubled. At 1, workers start one
-# after another: on a machine of a few cores they compete for the same CPUs anyway.
+# each after). Off. Without them, though, a job's first task got two workers started, one
+# never used (about 2 CPU-s each; docs/testing.md): a node starts up to
+# RAY_worker_maximum_startup_concurrency workers at once (its CPUs by default). At 1, a job's
+# task starts one (actors were never doubled); on a machine of a few cores workers compete for
+# the same CPUs anyway, so starting them one after another costs little.
 # Every node this tooling starts (a head, a second node) gets all of these.
 NODE_ENV_DEFAULTS = (
     (SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN),
