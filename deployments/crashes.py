@@ -4,7 +4,7 @@ heartbeats stopped (`ensure_crash_detection`, an automation). Kept by deployment
 
 from __future__ import annotations
 
-from pathlib import Path
+from deployments import processes
 
 # A run of this project's flows that sent no heartbeat for this long (three of Prefect's
 # default beats), nor ended, is marked Crashed: its process died (a lost machine) and nothing
@@ -144,9 +144,9 @@ def _process_gone(run, host: str) -> bool:
     if where not in ("", host) or not pid.isdigit():  # a process worker records the bare pid
         return False
     try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        env = processes.environ(int(pid))
     except FileNotFoundError:
         return True
     except OSError:  # alive, but not ours to read: leave it
         return False
-    return f"PREFECT__FLOW_RUN_ID={run.id}".encode() not in environ
+    return env.get("PREFECT__FLOW_RUN_ID") != str(run.id)

@@ -1,7 +1,8 @@
 """Processes by pid, from /proc: whether one runs, when it started, whether a group lives,
 what environment it started with. Used to stop only what was started (`deployments.local`,
 `deployments.worker_node`), to tell a live port claimant from a dead one (`deployments.ports`),
-and by the tests that check what a Ray worker or replica was started with."""
+to tell a flow run's own process from a recycled pid (`deployments.crashes`), and by the tests
+that check what a Ray worker or replica was started with."""
 
 from __future__ import annotations
 

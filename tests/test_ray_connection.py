@@ -340,9 +340,10 @@ def test_a_local_heads_workers_run_at_the_priority_of_what_started_it(stack):
 def test_a_local_head_starts_one_worker_for_a_jobs_task_and_none_for_jobs_that_never_come(stack):
     """When its first driver connects, a Ray node starts workers for jobs without a runtime
     env (RAY_JOB_ID ffffffff) by default; every job here has one, so they idled for the head's
-    whole life. And a job's first task got two workers started by default, one of them never
-    used. A local head starts neither: the workers on this machine that belong to the stack's
-    head all carry a real job's id, and this job's one task started one."""
+    whole life. Without them, a job's first task got two workers started (a node starts as
+    many at once as it has CPUs), one of them never used. A local head does neither: the
+    workers on this machine that belong to the stack's head all carry a real job's id, and
+    this job's one task started one."""
     import ray
 
     @ray.remote(num_cpus=0)
