@@ -323,11 +323,18 @@ def evaluation_s(flow_run_id: str | None) -> float:
 
     if flow_run_id is None:
         return 0.0
+    from deployments.testing.watch import wait_for
+
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}),
-            task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="evaluate-llm")),
-        )
+
+        def finished() -> list:  # task runs are recorded from events, a moment later
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}),
+                task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="evaluate-llm")),
+            )
+            return runs if runs and all(run.end_time for run in runs) else []
+
+        runs = wait_for("the evaluations' task runs are recorded", finished, 60, 0.5)
     return sum(run.total_run_time.total_seconds() for run in runs)
 
 

@@ -89,6 +89,7 @@ def run_flow_stages(storage: Path, num_cpus: int, iterations: int) -> dict[str, 
     from prefect.client.orchestration import get_client
 
     from benchmarks._prefect import task_runs_named
+    from deployments.testing.watch import wait_for
     from prefect_ray_lifecycle.blocks import RayCluster
     from prefect_ray_lifecycle.flows.tune_sweep import tune_sweep
 
@@ -106,7 +107,12 @@ def run_flow_stages(storage: Path, num_cpus: int, iterations: int) -> dict[str, 
     assert len(result.trials) == TRIALS
     assert {t.iterations for t in result.trials} == {iterations}
     with get_client(sync_client=True) as client:
-        (sweep_run,) = task_runs_named(client, result.metrics["flow_run_id"], "run-tune-sweep")
+
+        def finished() -> list:  # task runs are recorded from events, a moment later
+            runs = task_runs_named(client, result.metrics["flow_run_id"], "run-tune-sweep")
+            return [r for r in runs if r.end_time]
+
+        (sweep_run,) = wait_for("the sweep's task run is recorded", finished, 60, 0.5)
     task_start = sweep_run.start_time.timestamp()
     task_end = sweep_run.end_time.timestamp()
     return {

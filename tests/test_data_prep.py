@@ -18,8 +18,6 @@ from prefect.client.schemas.filters import (
     ArtifactFilterKey,
     FlowFilter,
     FlowFilterName,
-    FlowRunFilter,
-    FlowRunFilterId,
 )
 from prefect.client.schemas.sorting import ArtifactSort, FlowRunSort
 from prefect.states import StateType
@@ -117,7 +115,7 @@ def asset_events(client, asset_key: str) -> list:
 
 
 def test_bad_rows_go_to_the_quarantine_with_exact_counts_and_reasons(
-    stack, prefect_client, tmp_path
+    stack, prefect_client, task_runs, tmp_path
 ):
     source = write_csv_source(tmp_path)
     output = tmp_path / "out" / "dataset"
@@ -181,10 +179,12 @@ def test_bad_rows_go_to_the_quarantine_with_exact_counts_and_reasons(
     )
     (job,) = [j for j in ray_jobs(stack) if j.job_id == flow_run.labels["ray.job_id"]]
     assert job.metadata[JOB_METADATA_FLOW_RUN_ID] == str(flow_run.id)
-    task_runs = prefect_client.read_task_runs(
-        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))
-    )
-    assert {r.name.rsplit("-", 1)[0]: r.state.type for r in task_runs}["prepare_dataset"] == (
+
+    def prepared(runs):
+        return any(r.name.startswith("prepare_dataset") and r.state.is_completed() for r in runs)
+
+    runs = task_runs(flow_run.id, prepared)
+    assert {r.name.rsplit("-", 1)[0]: r.state.type for r in runs}["prepare_dataset"] == (
         StateType.COMPLETED
     )
     artifacts = prefect_client.read_artifacts(

@@ -233,10 +233,8 @@ def prefect_down_in_a_canary(stack, route, version: str, gates: Gates, outage_s:
 
 
 def test_prefect_down_for_30_s_mid_canary_costs_no_answer_and_the_run_ends_true(
-    stack, route, prefect_client
+    stack, route, prefect_client, task_runs
 ):
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
     # The canary step outlasts the outage: Prefect is stopped as soon as the candidate has
     # its share, so the step still runs when Prefect comes back.
     gates = GATES.model_copy(
@@ -256,11 +254,19 @@ def test_prefect_down_for_30_s_mid_canary_costs_no_answer_and_the_run_ends_true(
     # Prefect's record is true once it is back: the run Completed, and so did its canary.
     run = prefect_client.read_flow_run(uuid.UUID(result.flow_run_id))
     assert run.state.is_completed(), run.state
-    tasks = prefect_client.read_task_runs(
-        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))
-    )
-    canary = [t for t in tasks if t.name.startswith("canary_step")]
-    assert canary and all(t.state.is_completed() for t in canary), canary
+
+    def canary_steps(runs):
+        return [t for t in runs if t.name.startswith("canary_step")]
+
+    def all_completed(runs):
+        return all(t.state.is_completed() for t in runs)
+
+    def recorded(runs):
+        steps = canary_steps(runs)
+        return steps and all_completed(steps)
+
+    canary = canary_steps(task_runs(run.id, recorded))
+    assert canary and all_completed(canary), canary
 
 
 # Prefect's client retries a call 5 times by default, 2, 4, 8, 16 and 32 s apart: a call made
