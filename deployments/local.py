@@ -62,16 +62,11 @@ SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S",
 # machine shared with Prefect, MLflow and the flow processes at 0, the work under test
 # (replicas, routers, trials, Train workers) then starves behind the harness that polls for
 # it wherever the CPUs are saturated (docs/testing.md has the measurements). Here workers run
-# at the niceness of what started the node. When its first driver connects, a node starts
-# as many workers as it has CPUs for jobs without a runtime env (RAY_JOB_ID ffffffff); every
-# job here has one (the RayCluster block's env_vars), so those workers never ran a task and
-# idled for the node's whole life (2 per head, about 1 CPU-s each to start, 0.45 % of a core
-# each after). Off. Without them, though, a job's first task got two workers started, one
-# never used (about 2 CPU-s each; docs/testing.md): a node starts up to
-# RAY_worker_maximum_startup_concurrency workers at once (its CPUs by default). At 1, a job's
-# task starts one (actors were never doubled); on a machine of a few cores workers compete for
-# the same CPUs anyway, so starting them one after another costs little.
-# Every node this tooling starts (a head, a second node) gets all of these.
+# at the niceness of what started the node. A node's first driver prestarts a worker per CPU
+# for jobs without a runtime env (RAY_JOB_ID ffffffff); every job here has one, so they only
+# idled (2 per head): off. Without them a job's first task got two workers started, one never
+# used: a node starts RAY_worker_maximum_startup_concurrency at once (its CPUs by default);
+# at 1, one (docs/testing.md has the figures). Every node this tooling starts gets all these.
 NODE_ENV_DEFAULTS = (
     (SHUTDOWN_DRAIN_ENV, NO_SHUTDOWN_DRAIN),
     ("RAY_enable_metrics_collection", "0"),
@@ -87,11 +82,13 @@ NODE_ENV_DEFAULTS = (
 # ASHA stopped: its CPUs stay reserved after the sweep ends. Each node this tooling starts
 # tells its workers (they inherit its environment) which cluster is theirs.
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
-# A local Prefect server's settings where the user set none (see Service._command).
-PREFECT_SERVER_DEFAULTS = (
-    ("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE", "20"),
-    ("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL", "1"),
-)
+# Prefect records task runs from their state events, one database write per event by default;
+# 20 at a time (or what came within a second) cut a local server's CPU over a 300-task flow
+# from 15.8 to 5.3 s (a state can show a second late). Where the user set none.
+PREFECT_SERVER_DEFAULTS = {
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "20",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+}
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 15.0
 
@@ -182,12 +179,7 @@ class Service:
                     "prefect.server.concurrency.lease_storage.filesystem"
                 ),
             )
-            # Prefect records task runs from their state events, by default one database
-            # write per event as it comes. 20 at a time (or what came within a second): over a
-            # 300-task flow the server's CPU fell from 15.8 to 5.3 s and every run was recorded
-            # 8 s after the start instead of 18 s. A task run's state can show a second late.
-            for key, value in PREFECT_SERVER_DEFAULTS:
-                env.setdefault(key, value)
+            env = {**PREFECT_SERVER_DEFAULTS, **env}
             env.pop("PREFECT_API_URL", None)
             argv = [str(bin_dir / "prefect"), "server", "start", "--host", HOST]
             return [*argv, "--port", str(self.port)], env
