@@ -35,7 +35,7 @@ from deployments.testing import drive
 from deployments.testing.fast import FAST_SERVING, ONE_STEP_CANARY
 from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.stack import deployed, start_all, stop_all
-from deployments.testing.watch import route_status, started_run, wait_for
+from deployments.testing.watch import FAST_POLL_S, route_status, started_run, wait_for
 
 WATCHED = "cartpole-ppo"  # the model prefect.yaml's champion trigger rolls out, on /policy
 FAULTS_ROUTE = "heal"
@@ -141,7 +141,12 @@ def _faults_in_a_canary(stack, client, name: str) -> dict[str, Any]:
         canary = gates.model_copy(update={"canary_min_requests": 40})
         with _load(stack, FAULTS_ROUTE, threads=4) as users:
             with drive.rolling_out(version="2", gates=canary, **common) as running:
-                wait_for("v2's canary", lambda: _in_canary(stack, FAULTS_ROUTE, running), 300)
+                wait_for(
+                    "v2's canary",
+                    lambda: _in_canary(stack, FAULTS_ROUTE, running),
+                    300,
+                    every=FAST_POLL_S,
+                )
                 pids = drive.router_pids(FAULTS_ROUTE)
                 os.kill(pids[sorted(pids)[0]], signal.SIGKILL)
                 killed = time.time()
@@ -154,7 +159,12 @@ def _faults_in_a_canary(stack, client, name: str) -> dict[str, Any]:
         prefect = stack.service("prefect")
         with _load(stack, FAULTS_ROUTE) as users:
             with drive.rolling_out(version="3", gates=long_canary, **common) as running:
-                wait_for("v3's canary", lambda: _in_canary(stack, FAULTS_ROUTE, running), 300)
+                wait_for(
+                    "v3's canary",
+                    lambda: _in_canary(stack, FAULTS_ROUTE, running),
+                    300,
+                    every=FAST_POLL_S,
+                )
                 local.stop(prefect)
                 time.sleep(OUTAGE_S)
                 assert local.start(prefect).startswith("started")
@@ -164,7 +174,12 @@ def _faults_in_a_canary(stack, client, name: str) -> dict[str, Any]:
         mlflow = stack.service("mlflow")
         with _load(stack, FAULTS_ROUTE) as users:
             with drive.rolling_out(version="4", gates=gates, **common) as running:
-                wait_for("v4's canary", lambda: _in_canary(stack, FAULTS_ROUTE, running), 300)
+                wait_for(
+                    "v4's canary",
+                    lambda: _in_canary(stack, FAULTS_ROUTE, running),
+                    300,
+                    every=FAST_POLL_S,
+                )
                 local.stop(mlflow)
                 figures["mlflow_outage_outcome"] = _outcome(running)
             assert local.start(mlflow).startswith("started")
@@ -212,8 +227,13 @@ def _restarts(stack, client) -> dict[str, Any]:
         moved = time.time()
         client.set_registered_model_alias(WATCHED, registry.CHAMPION, "1")
         first = started_run(prefect, "reconcile/reconcile", moved, timeout=300)
-        wait_for("v1 is live", lambda: prefect.read_flow_run(first.id).state.is_final(), 300)
-        wait_for("the route serves v1", lambda: serves("1"), 60)
+        wait_for(
+            "v1 is live",
+            lambda: prefect.read_flow_run(first.id).state.is_final(),
+            300,
+            every=FAST_POLL_S,
+        )
+        wait_for("the route serves v1", lambda: serves("1"), 60, every=FAST_POLL_S)
         time.sleep(5)  # the rollout's own heartbeat has reached Prefect's triggers
         head = stack.service("ray")
         with _load(stack, "policy") as users:
@@ -226,7 +246,7 @@ def _restarts(stack, client) -> dict[str, Any]:
 
         client.set_registered_model_alias(WATCHED, registry.CHAMPION, "2")
         with _load(stack, "policy"):
-            wait_for("v2's canary", lambda: _share(stack) > 0, 300)
+            wait_for("v2's canary", lambda: _share(stack) > 0, 300, every=FAST_POLL_S)
         stop_all(stack)
         start_all(stack)
     with get_client(sync_client=True):
@@ -239,7 +259,12 @@ def _restarts(stack, client) -> dict[str, Any]:
 
         try:
             with _load(stack, "policy"):
-                wait_for("v3 is rolled out after the restart", _quietly(rolled_out), 600)
+                wait_for(
+                    "v3 is rolled out after the restart",
+                    _quietly(rolled_out),
+                    600,
+                    every=FAST_POLL_S,
+                )
             figures["stack_restart_to_rolled_out_s"] = round(time.monotonic() - moved, 1)
         except AssertionError:
             figures["stack_restart_to_rolled_out_s"] = None

@@ -71,7 +71,7 @@ def alias_to_live(stack, result, args) -> float:
     from mlflow import MlflowClient
 
     from deployments.testing.stack import deployed
-    from deployments.testing.watch import wait_for
+    from deployments.testing.watch import FAST_POLL_S, wait_for
     from prefect_ray_lifecycle.control import registry
     from prefect_ray_lifecycle.tasks.rollout.config import LLMServing, Serving
 
@@ -111,7 +111,12 @@ def alias_to_live(stack, result, args) -> float:
     with deployed(stack, routes=(SHIP_ROUTE,), parameters=parameters):
         moved = time.perf_counter()
         client.set_registered_model_alias(name, registry.CHAMPION, registered.version)
-        wait_for("the LLM version serves its route", serving, timeout=args.ship_timeout)
+        wait_for(
+            "the LLM version serves its route",
+            serving,
+            timeout=args.ship_timeout,
+            every=FAST_POLL_S,
+        )
         return time.perf_counter() - moved
 
 

@@ -86,7 +86,7 @@ def run(
     from ray.rllib.algorithms.ppo import PPOConfig
 
     from deployments.testing.stack import deployed
-    from deployments.testing.watch import started_run, wait_for
+    from deployments.testing.watch import FAST_POLL_S, started_run, wait_for
     from prefect_ray_lifecycle.control import registry
 
     client = MlflowClient(stack.mlflow_uri)
@@ -132,12 +132,18 @@ def run(
             moved = time.time()
             client.set_registered_model_alias(MODEL, registry.CHAMPION, version)
             reconcile = started_run(prefect, RECONCILE, moved, timeout=300)
-            wait_for(f"v{version} goes live", lambda v=version: live() == v, timeout=300)
+            wait_for(
+                f"v{version} goes live",
+                lambda v=version: live() == v,
+                timeout=300,
+                every=FAST_POLL_S,
+            )
             went_live = time.time()
             wait_for(
                 "the reconcile run ends",
                 lambda r=reconcile: prefect.read_flow_run(r.id).state.is_final(),
                 timeout=300,
+                every=FAST_POLL_S,
             )
             if index:  # the first move restores an empty route: not a promotion
                 to_created.append(reconcile.created.timestamp() - moved)  # the trigger fired
@@ -175,7 +181,13 @@ def crash_in_canary(
     """Move `champion` to `version`, kill -9 its rollout once the canary sends the candidate
     traffic, under closed-loop load; the route's way back to safe and to converged."""
     from deployments.testing.load import ClosedLoop
-    from deployments.testing.watch import kill_flow_run, route_status, started_run, wait_for
+    from deployments.testing.watch import (
+        FAST_POLL_S,
+        kill_flow_run,
+        route_status,
+        started_run,
+        wait_for,
+    )
     from prefect_ray_lifecycle.control import registry
 
     port = stack.serve_port
@@ -188,12 +200,14 @@ def crash_in_canary(
             "the canary sends the candidate traffic",
             lambda: route_status(port, ROUTE)["candidate_share"] > 0,
             timeout=300,
+            every=FAST_POLL_S,
         )
         killed = kill_flow_run(prefect, doomed.id)
         safe = wait_for(
             "the route serves live only",
             lambda: route_status(port, ROUTE)["candidate_share"] == 0 and time.time(),
             timeout=lease_s + 30,
+            every=FAST_POLL_S,
         )
 
         def converged() -> float | None:
@@ -201,7 +215,7 @@ def crash_in_canary(
             settled = status["rollout"] is None and status["live"]["version"] == version
             return time.time() if settled and live() == version else None
 
-        done = wait_for("the route converges", converged, timeout=600)
+        done = wait_for("the route converges", converged, timeout=600, every=FAST_POLL_S)
     return {
         "to_safe_s": safe - killed,
         "non_2xx": len(traffic.failed()),
@@ -218,7 +232,7 @@ def interval_peer(
     it, and to `live` moving."""
     from prefect.client.schemas.schedules import IntervalSchedule
 
-    from deployments.testing.watch import wait_for
+    from deployments.testing.watch import FAST_POLL_S, wait_for
     from prefect_ray_lifecycle.control import registry
 
     if not intervals:
@@ -250,8 +264,14 @@ def interval_peer(
                         f"an interval reconcile starts after v{version}'s move",
                         lambda m=moved: first_started_after(prefect, m),
                         timeout=interval + 300,
+                        every=FAST_POLL_S,
                     )
-                    wait_for(f"v{version} goes live", lambda v=version: live() == v, timeout=600)
+                    wait_for(
+                        f"v{version} goes live",
+                        lambda v=version: live() == v,
+                        timeout=600,
+                        every=FAST_POLL_S,
+                    )
                     to_live.setdefault(key, []).append(time.time() - moved)
                     waits.setdefault(key, []).append(run.start_time.timestamp() - moved)
             finally:

@@ -26,6 +26,7 @@ from deployments.testing.fast import FAST_SERVING
 from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.stack import SCHEDULER_ENV, deployed, environ, pointed_at
 from deployments.testing.watch import (
+    FAST_POLL_S,
     deployment_runs,
     kill_flow_run,
     route_status,
@@ -256,6 +257,7 @@ def test_a_killed_waiting_rollout_leaves_live_only_and_the_reconcile_asks_again(
             "the candidate share drops to 0",
             lambda: route_status(port, ROUTE)["candidate_share"] == 0 and time.time(),
             timeout=LEASE_S + 10,
+            every=FAST_POLL_S,  # timed against the lease below
         )
         assert dropped - killed <= LEASE_S + 2
         # The Crashed run starts a reconcile; it takes the route over and asks again.

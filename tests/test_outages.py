@@ -34,7 +34,7 @@ from deployments import local
 from deployments.testing import drive
 from deployments.testing.fast import FAST_SERVING
 from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
-from deployments.testing.watch import route_status, wait_for
+from deployments.testing.watch import FAST_POLL_S, route_status, wait_for
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.flows.rollout import serve_rollout
@@ -213,7 +213,7 @@ def prefect_down_in_a_canary(stack, route, version: str, gates: Gates, outage_s:
             assert not running.done(), running.result()
             return route_status(port, ROUTE)["candidate_share"] > 0
 
-        wait_for(f"the canary gives v{version} a share", in_canary, 240)
+        wait_for(f"the canary gives v{version} a share", in_canary, 240, every=FAST_POLL_S)
         local.stop(prefect)
         stopped = time.time()
         try:

@@ -24,6 +24,7 @@ from deployments.testing.fast import FAST_SERVING
 from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.stack import deployed
 from deployments.testing.watch import (
+    FAST_POLL_S,
     deployment_runs,
     explain_on_failure,
     kill_flow_run,
@@ -137,6 +138,7 @@ def moved_champion_survives_killed_rollouts(lifecycle):
             "the canary sends v2 traffic",
             lambda: (status := router_status(port))["candidate_share"] > 0 and status,
             timeout=240,
+            every=FAST_POLL_S,  # killed in the canary
         )
         assert held["serving"] == "as configured" and held["lease"]["held"], held["lease"]
         killed = kill_flow_run(prefect, canary_run.id)
@@ -147,6 +149,7 @@ def moved_champion_survives_killed_rollouts(lifecycle):
             "the candidate share drops to 0",
             lambda: (status := router_status(port))["candidate_share"] == 0 and status,
             timeout=LEASE_S + 60,
+            every=FAST_POLL_S,  # before a reconcile withdraws v2
         )
         assert lapsed["config"]["generation"] == held["config"]["generation"], lapsed["config"]
         assert lapsed["config"]["candidate"]["version"] == "2", lapsed["config"]
@@ -159,6 +162,7 @@ def moved_champion_survives_killed_rollouts(lifecycle):
             "the recovery's rollout reaches its bake",
             lambda: (router_status(port)["config"]["rollout"] or {}).get("stage") == "bake",
             timeout=240,
+            every=FAST_POLL_S,  # killed in the bake
         )
         killed_in_bake = kill_flow_run(prefect, bake_run.id)
         final = started(prefect, killed_in_bake, skip=(canary_run.id, first.id, bake_run.id))

@@ -26,7 +26,12 @@ from deployments import status as status_command
 from deployments.testing import drive
 from deployments.testing.fast import FAST_SERVING
 from deployments.testing.load import ClosedLoop
-from deployments.testing.watch import sessions_per_step, stage_windows, wait_for
+from deployments.testing.watch import (
+    FAST_POLL_S,
+    sessions_per_step,
+    stage_windows,
+    wait_for,
+)
 from prefect_ray_lifecycle.blocks import MLflowServer
 from prefect_ray_lifecycle.control import registry, serve_control
 from prefect_ray_lifecycle.flows.rollout import RolloutFailed, serve_rollout
@@ -386,7 +391,7 @@ def test_new_headers_and_fields_never_get_a_5xx_and_the_route_stays_healthy(rout
             status = session.get(f"{route['url']}/-/status", timeout=30).json()
             return status if status["lease"]["lapsed"] is False else None
 
-        status = wait_for("the replicas see the lease", held, 10)
+        status = wait_for("the replicas see the lease", held, 10, every=FAST_POLL_S)
         assert status["serving"] == "as configured"
         assert status["shadow"]["active"] is (stage == "shadow")
         assert status["config"]["testers"]["token_sha256"] in (None, "set")  # never the digest
@@ -409,7 +414,7 @@ def test_a_candidate_failing_while_a_person_looks_is_aborted_at_approval(route, 
     users = load(route, pause_s=0.05, requests=lambda n: (observations(n), {}))
     failing = threading.Thread(
         target=lambda: (
-            wait_for("the rollout waits for approval", waiting, 240),
+            wait_for("the rollout waits for approval", waiting, 240, every=FAST_POLL_S),
             inject.fn(serve_control.version_app_name(route["name"], "5"), {"error_rate": 1.0}),
         ),
         daemon=True,

@@ -17,6 +17,7 @@ from deployments.testing.fast import FAST_SERVING, ONE_STEP_CANARY
 from deployments.testing.load import LOAD_PAUSE_S, ClosedLoop
 from deployments.testing.stack import deployed, start_all, stop_all
 from deployments.testing.watch import (
+    FAST_POLL_S,
     deployment_runs,
     explain_on_failure,
     route_status,
@@ -190,6 +191,7 @@ def stack_comes_back_unwedged(stack, lifecycle, prefect_client):
         "the canary gives v2 a share",
         lambda: route_status(port, ROUTE)["candidate_share"] > 0,
         timeout=240,
+        every=FAST_POLL_S,  # stopped in the canary
     )
     subflow = _children(prefect_client, rolling.id)
     assert [prefect_client.read_flow(r.flow_id).name for r in subflow] == ["serve-rollout"]

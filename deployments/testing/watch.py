@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 __all__ = [
+    "FAST_POLL_S",
     "deployment_runs",
     "explain_on_failure",
     "kill_flow_run",
@@ -26,8 +27,16 @@ __all__ = [
 
 T = TypeVar("T")
 
+# Once a second by default: a typical look (a deployment's runs, a flow run, an MLflow alias)
+# costs 60-80 ms of CPU across the Prefect server, MLflow and the looking process, so four a
+# second kept a fifth of a core busy for every minute a test waited (measured 2026-12-07).
+# A look that must catch a short stage (to kill or stop something in it), or a benchmark
+# timing a wait, passes `every` itself.
+POLL_S = 1.0
+FAST_POLL_S = 0.25
 
-def wait_for(what: str, check: Callable[[], T], timeout: float = 180.0, every: float = 0.25) -> T:
+
+def wait_for(what: str, check: Callable[[], T], timeout: float = 180.0, every: float = POLL_S) -> T:
     """`check()` once it is truthy; AssertionError naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -61,8 +70,8 @@ def started_run(
         fresh = [r for r in deployment_runs(client, name, after) if r.id not in skip]
         return fresh[0] if fresh and fresh[0].state.is_running() else None
 
-    # Every 0.5 s: each look reads the deployment and its runs, for up to minutes.
-    return wait_for(f"a {name} run starts", running, timeout, every=0.5)
+    # Each look reads the deployment and its runs, for up to minutes.
+    return wait_for(f"a {name} run starts", running, timeout)
 
 
 @contextlib.contextmanager
