@@ -29,9 +29,9 @@ T = TypeVar("T")
 
 # Once a second by default: a typical look (a deployment's runs, a flow run, an MLflow alias)
 # costs 60-80 ms of CPU across the Prefect server, MLflow and the looking process, so four a
-# second kept a fifth of a core busy for every minute a test waited (measured 2026-12-07).
-# A look that must catch a short stage (to kill or stop something in it), or a benchmark
-# timing a wait, passes `every` itself.
+# second kept a fifth of a core busy while a test waited (measured 2026-12-07). A look that
+# must catch a short stage (to kill or stop something in it), and every wait of the
+# benchmarks (their figures stay comparable with earlier runs), pass FAST_POLL_S.
 POLL_S = 1.0
 FAST_POLL_S = 0.25
 
@@ -70,7 +70,6 @@ def started_run(
         fresh = [r for r in deployment_runs(client, name, after) if r.id not in skip]
         return fresh[0] if fresh and fresh[0].state.is_running() else None
 
-    # Each look reads the deployment and its runs, for up to minutes.
     return wait_for(f"a {name} run starts", running, timeout)
 
 
