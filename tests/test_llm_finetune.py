@@ -28,7 +28,7 @@ from chart_checks import png_size
 from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
 from prefect.states import Crashed
 
-from deployments.testing import watch
+from deployments.testing.watch import actors_gone
 from deployments.worker_node import alive_actors, alive_nodes, drain
 from deployments.worker_node import stop as stop_node
 from prefect_ray_lifecycle.blocks import RayCluster
@@ -389,11 +389,7 @@ def disturbed(stack, prefect_client, tiny_base, source, tmp_path_factory):
         # after it, and until then a worker may finish a step and record it (a CI run read
         # 106 here and the run had reached 107). The attempt's history is whole once they are
         # gone.
-        watch.wait_for(
-            "the killed run's Train workers end",
-            lambda: not alive_actors(stack.ray_dashboard_url, stack.ray_token, "RayTrainWorker"),
-            timeout=120,
-        )
+        actors_gone(stack.ray_dashboard_url, stack.ray_token, "RayTrainWorker")
         records = read_history(str(history))
         seen["flow_killed_after"] = last_step(records)
         seen["checkpoint_before_flow_kill"] = max(

@@ -22,7 +22,7 @@ from prefect.states import Cancelling, Crashed
 from pydantic import ValidationError
 from tune_results import result_lines
 
-from deployments.testing.watch import wait_for
+from deployments.testing.watch import actors_gone
 from deployments.worker_node import alive_actors
 from prefect_ray_lifecycle.flows.pipeline import DEFAULT_SWEEP
 from prefect_ray_lifecycle.flows.tune_sweep import tune_sweep
@@ -654,10 +654,6 @@ def test_cancelling_the_flow_run_stops_the_sweep_and_its_trials(stack, tmp_path,
     assert 1 <= iterations < 500
     # Nothing trains on after the flow ended: once the trial's actor is gone (a barrier, not a
     # pause), its results are still what they were when the flow ended.
-    wait_for(
-        "the trial's actor ends",
-        lambda: not alive_actors(stack.ray_dashboard_url, stack.ray_token, TRIAL_ACTOR),
-        timeout=60,
-    )
+    actors_gone(stack.ray_dashboard_url, stack.ray_token, TRIAL_ACTOR, timeout=60)
     assert len(result_lines(trial_dir)) == iterations
     assert prefect_client.read_flow_run(flow_run.id).state.is_cancelled()

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 __all__ = [
     "FAST_POLL_S",
+    "actors_gone",
     "deployment_runs",
     "explain_on_failure",
     "kill_flow_run",
@@ -46,6 +47,19 @@ def wait_for(what: str, check: Callable[[], T], timeout: float = 180.0, every: f
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout:.0f} s")
         time.sleep(every)
+
+
+def actors_gone(dashboard_url: str, token: str, class_name: str, timeout: float = 120.0) -> None:
+    """Wait until the cluster has no alive actor of `class_name`: after a kill, the barrier
+    past which no such actor can still train or record anything (Ray ends a dead driver's
+    actors after it, not with it)."""
+    from deployments.worker_node import alive_actors
+
+    wait_for(
+        f"the {class_name} actors end",
+        lambda: not alive_actors(dashboard_url, token, class_name),
+        timeout,
+    )
 
 
 def deployment_runs(client: Any, name: str, after: float = 0.0) -> list[Any]:
